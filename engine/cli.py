@@ -1,0 +1,77 @@
+"""The ``lookahead-serve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype; auto = float32 on CPU (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token cap (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size (default: %(default)s)")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+              kv_cache_memory_gib=args.kv_cache_memory_gib)
+    prompt = args.prompt
+    if not args.raw:
+        prompt = llm.engine.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    last = None
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+        last = out
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if last is not None:
+        n = last.num_generated_tokens
+        ttft = last.metrics.time_to_first_token or 0.0
+        print(
+            f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, {last.tokens_per_step:.2f} tokens/step, "
+            f"time to first token {ttft * 1000:.0f} ms, finish: {last.outputs[0].finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lookahead-serve", description="LLM serving engine with lookahead decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream one answer from the model to the terminal")
+    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"lookahead-serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The engine's configuration tree: model, cache and scheduler, each checked on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.config import SchedulerConfig
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """model: None for the embedded default (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file.
+    dtype: "auto" is float32 on CPU and bfloat16 on GPU. max_model_len: None takes the model's own limit.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """block_size: tokens per KV block. num_blocks: None sizes the pool from kv_cache_memory_gib.
+    enable_prefix_caching: reuse full blocks of identical prefixes across requests.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig | None = None  # None: defaults, with max_model_len from the model

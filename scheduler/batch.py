@@ -1,0 +1,41 @@
+"""The two contract types between scheduler and model runner: one per step in each direction.
+
+Only ints, floats, strings and lists cross, so the same contract works in-process and across workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's ragged segment of the packed batch."""
+
+    req_id: str
+    token_ids: list[int]  # tokens to run this step: a prefill chunk, or the last sampled token
+    start_pos: int  # position of token_ids[0] = tokens already in the cache
+    block_ids: list[int]  # the request's whole block table
+    sample: bool  # the segment ends at the newest token, so its last logits give the next token
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # since the last step: drop runner state
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]  # per scheduled request; empty for a prefill chunk that samples nothing

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random models saved as Hugging Face folders, and the real default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _save_tiny(path, model_type: str, **overrides):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[model_type]
+    fields = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.15,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    fields.update(overrides)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(cls(**fields), dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A 2-layer random Llama (GQA, untied head) with no tokenizer: prompts are token ids."""
+    return str(_save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    """A 2-layer random Qwen2 (q/k/v biases, tied embeddings)."""
+    return str(_save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The embedded SmolLM2-135M-Instruct as a safetensors folder (converted once into the cache)."""
+    from engine.loader import resolve_model
+
+    return resolve_model(None)
+
+
+def hf_greedy(model_path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face ``generate`` greedy outputs (one prompt at a time, float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
+            outs.append(y[0, len(ids) :].tolist())
+    return outs
