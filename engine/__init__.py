@@ -4,7 +4,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from scheduler import SamplingParams, SchedulerConfig
+from scheduler import LookaheadConfig, LookaheadParams, SamplingParams, SchedulerConfig
 
 __all__ = [
     "LLM",
@@ -12,6 +12,8 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
+    "LookaheadConfig",
+    "LookaheadParams",
     "ModelConfig",
     "RequestMetrics",
     "RequestOutput",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.config import SchedulerConfig
+from scheduler.config import LookaheadConfig, SchedulerConfig
+from scheduler.params import LookaheadParams
+
+# Engine-wide default for requests that do not choose: see benchmarks/RESULTS.md for the measurements.
+DEFAULT_LOOKAHEAD = LookaheadParams(window_size=4, ngram_size=3, verification_set_size=4)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -54,4 +58,10 @@ class CacheConfig:
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig | None = None  # None: defaults, with max_model_len from the model
+    # None: defaults with lookahead on (DEFAULT_LOOKAHEAD), and max_model_len from the model
+    scheduler: SchedulerConfig | None = None
+
+
+def default_scheduler_config(**overrides) -> SchedulerConfig:
+    overrides.setdefault("lookahead", LookaheadConfig(default=DEFAULT_LOOKAHEAD))
+    return SchedulerConfig(**overrides)

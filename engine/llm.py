@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig
+from engine.config import DEFAULT_LOOKAHEAD, CacheConfig, EngineConfig, ModelConfig, default_scheduler_config
 from engine.llm_engine import LLMEngine, PromptType
 from engine.outputs import RequestOutput
-from scheduler import SamplingParams, SchedulerConfig
+from scheduler import LookaheadConfig, LookaheadParams, SamplingParams
 
 
 class LLM:
     """An engine with the model loaded, for batch generation and streaming in-process.
 
     model: None for the embedded SmolLM2-135M-Instruct, else a Hugging Face folder or a .gguf file.
+    lookahead: the engine's default for requests whose SamplingParams.lookahead is None;
+    max_lookahead: the largest (window_size, ngram_size, verification_set_size) a request may ask for.
     Other keyword arguments fill the config tree (ModelConfig, CacheConfig, SchedulerConfig).
     """
 
@@ -31,6 +33,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
+        lookahead: LookaheadParams = DEFAULT_LOOKAHEAD,
+        max_lookahead: tuple[int, int, int] = (16, 8, 16),
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -41,7 +45,11 @@ class LLM:
                     kv_cache_memory_gib=kv_cache_memory_gib,
                     enable_prefix_caching=enable_prefix_caching,
                 ),
-                scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+                scheduler=default_scheduler_config(
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs,
+                    lookahead=LookaheadConfig(lookahead, *max_lookahead),
+                ),
             )
         )
         self.tokenizer = self.engine.tokenizer

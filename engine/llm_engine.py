@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 from engine.attention import get_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_scheduler_config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kv_cache import KVCacheManager
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LLMEngine:
         max_model_len = mc.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_max} positions")
-        sched_cfg = replace(config.scheduler or SchedulerConfig(), max_model_len=max_model_len)
+        sched_cfg = replace(config.scheduler or default_scheduler_config(), max_model_len=max_model_len)
 
         torch.manual_seed(mc.seed)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
@@ -138,13 +138,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over everything scheduled; return outputs of requests that advanced."""
         sched_out = self.scheduler.schedule()
+        # Requests the scheduler ended itself (outgrown the KV cache) report here.
+        outputs = [self._output(self._tracked.pop(r)) for r in sched_out.finished_req_ids if r in self._tracked]
         if sched_out.is_empty:
-            if self.scheduler.has_unfinished_requests():
+            if not outputs and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
-            return []
+            return outputs
         runner_out = self.runner.execute(sched_out)
         self.num_steps += 1
-        outputs = []
         for req in self.scheduler.update_from_output(sched_out, runner_out):
             tracked = self._tracked[req.request_id]
             tracked.detok.update(req.output_token_ids, req.status.finished)
@@ -187,6 +188,9 @@ class LLMEngine:
                 first_token_time=t.first_token,
                 finished_time=t.finished,
                 num_steps=req.num_steps,
+                num_output_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions,
+                accepted_lengths=dict(sorted(req.accepted_lengths.items())),
+                pool_hits=req.lookahead.num_pool_hits if req.lookahead else 0,
             ),
         )

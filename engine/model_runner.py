@@ -1,20 +1,26 @@
 """Scheduler contract in, sampled tokens out: packs every segment into one flat varlen batch.
 
 No padding: the step's tokens are concatenated; positions, slot mapping and prefix slots are computed
-with numpy from the segments' start positions and block tables, then the model runs once.
+with numpy from the segments' start positions, offsets and block tables, then the model runs once.
+Prefill chunks and plain decodes write their keys and values to the cache as the layers run. A
+lookahead segment's tokens are transient: after verification only x and the accepted candidate tokens
+are committed to the cache, from the step's own keys and values.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.sampler import Sampler
+from engine.sampler import Sampler, processed_probs
+from engine.verify import Verdict, verify_greedy, verify_sampling
 from kv_cache import build_block_table, compute_slot_mapping
-from scheduler import ModelRunnerOutput, SchedulerOutput
+from scheduler import LookaheadLayout, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -23,67 +29,98 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     return hf_config.num_hidden_layers * 2 * block_size * hf_config.num_key_value_heads * head_dim * elem
 
 
+@functools.lru_cache(maxsize=256)
+def tree_layout(layout: LookaheadLayout) -> tuple[np.ndarray, torch.Tensor]:
+    """Offsets [n] and tree mask [n, n] (True = may attend) of a lookahead segment."""
+    offsets, parents = layout.tree()
+    n = len(offsets)
+    mask = np.zeros((n, n), dtype=bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return np.asarray(offsets, dtype=np.int64), torch.from_numpy(mask)
+
+
+@dataclass
+class StepInputs:
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    meta: AttentionMetadata
+    block_table: np.ndarray  # [num_segs, max_blocks]
+
+
+def build_step_inputs(segs: list[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
+    """Token ids, positions and attention metadata of one packed step."""
+    bs = block_size
+    n_segs = len(segs)
+    seg_lens = np.fromiter((len(s.token_ids) for s in segs), dtype=np.int64, count=n_segs)
+    starts = np.fromiter((s.start_pos for s in segs), dtype=np.int64, count=n_segs)
+    cu = np.zeros(n_segs + 1, dtype=np.int64)
+    np.cumsum(seg_lens, out=cu[1:])
+    num_tokens = int(cu[-1])
+    seg_of_token = np.repeat(np.arange(n_segs), seg_lens)
+    offsets = np.arange(num_tokens) - np.repeat(cu[:-1], seg_lens)
+    seg_masks: list[torch.Tensor | None] = [None] * n_segs
+    transient = np.zeros(num_tokens, dtype=bool)
+    for s, seg in enumerate(segs):
+        if seg.lookahead is not None:
+            tree_offsets, mask = tree_layout(seg.lookahead)
+            offsets[cu[s] : cu[s + 1]] = tree_offsets
+            seg_masks[s] = mask.to(device)
+            transient[cu[s] : cu[s + 1]] = True
+    positions = starts[seg_of_token] + offsets
+    table = build_block_table([s.block_ids for s in segs])
+    # Transient tokens may lie past the blocks the request owns: clip, then mark them unwritten.
+    block_idx = np.minimum(positions // bs, table.shape[1] - 1)
+    slots = np.where(transient, -1, table[seg_of_token, block_idx] * bs + positions % bs)
+
+    is_decode = seg_lens == 1
+    decode_segs = np.flatnonzero(is_decode)
+    ctx = starts[decode_segs]
+    grid = np.arange(int(ctx.max()) if len(ctx) else 0)
+    prefix_mask = grid[None, :] < ctx[:, None]
+    dec_slots = np.where(prefix_mask, table[decode_segs][:, grid // bs] * bs + grid % bs, 0)
+
+    prefix_slots: list[torch.Tensor | None] = [None] * n_segs
+    other_segs = np.flatnonzero(~is_decode).tolist()
+    for s in other_segs:
+        if starts[s] > 0:
+            p = np.arange(starts[s])
+            prefix_slots[s] = torch.from_numpy(table[s, p // bs] * bs + p % bs).to(device)
+
+    meta = AttentionMetadata(
+        num_tokens=num_tokens,
+        query_start_loc=cu.tolist(),
+        context_lens=starts.tolist(),
+        block_tables=torch.from_numpy(table).to(device),
+        slot_mapping=torch.from_numpy(slots).to(device),
+        block_size=bs,
+        decode_segs=decode_segs.tolist(),
+        decode_token_idx=torch.from_numpy(cu[decode_segs]).to(device),
+        decode_prefix_slots=torch.from_numpy(dec_slots).to(device),
+        decode_prefix_mask=torch.from_numpy(prefix_mask).to(device),
+        other_segs=other_segs,
+        prefix_slots=prefix_slots,
+        seg_masks=seg_masks,
+    )
+    input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in segs), np.int64, num_tokens)
+    return StepInputs(input_ids, positions, meta, table)
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype, seed: int):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.num_kv_heads = cfg.num_key_value_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Per layer: [2 (key, value), num_blocks * block_size slots, num_kv_heads, head_dim]
         self.kv_caches = [
-            torch.zeros(2, num_blocks * block_size, self.num_kv_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
-
-    def _metadata(self, so: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, AttentionMetadata]:
-        segs = so.scheduled
-        bs = self.block_size
-        seg_lens = np.fromiter((len(s.token_ids) for s in segs), dtype=np.int64, count=len(segs))
-        starts = np.fromiter((s.start_pos for s in segs), dtype=np.int64, count=len(segs))
-        cu = np.zeros(len(segs) + 1, dtype=np.int64)
-        np.cumsum(seg_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-        seg_of_token = np.repeat(np.arange(len(segs)), seg_lens)
-        positions = np.repeat(starts - cu[:-1], seg_lens) + np.arange(num_tokens)
-        table = build_block_table([s.block_ids for s in segs])
-        slots = compute_slot_mapping(table, seg_of_token, positions, bs)
-
-        is_decode = seg_lens == 1
-        decode_segs = np.flatnonzero(is_decode)
-        max_ctx = int(starts[decode_segs].max()) if len(decode_segs) else 0
-        grid = np.arange(max_ctx)
-        ctx = starts[decode_segs]
-        prefix_mask = grid[None, :] < ctx[:, None]
-        dec_slots = np.where(prefix_mask, table[decode_segs][:, grid // bs] * bs + grid % bs, 0)
-
-        prefix_slots: list[torch.Tensor | None] = [None] * len(segs)
-        other_segs = np.flatnonzero(~is_decode).tolist()
-        for s in other_segs:
-            if starts[s] > 0:
-                p = np.arange(starts[s])
-                prefix_slots[s] = torch.from_numpy(table[s, p // bs] * bs + p % bs).to(self.device)
-
-        dev = self.device
-        meta = AttentionMetadata(
-            num_tokens=num_tokens,
-            query_start_loc=cu.tolist(),
-            context_lens=starts.tolist(),
-            block_tables=torch.from_numpy(table).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_size=bs,
-            decode_segs=decode_segs.tolist(),
-            decode_token_idx=torch.from_numpy(cu[decode_segs]).to(dev),
-            decode_prefix_slots=torch.from_numpy(dec_slots).to(dev),
-            decode_prefix_mask=torch.from_numpy(prefix_mask).to(dev),
-            other_segs=other_segs,
-            prefix_slots=prefix_slots,
-            seg_masks=[None] * len(segs),
-        )
-        input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in segs), np.int64, num_tokens)
-        return input_ids, positions, meta
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -91,19 +128,85 @@ class ModelRunner:
         segs = so.scheduled
         if not segs:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        input_ids, positions, meta = self._metadata(so)
+        inputs = build_step_inputs(segs, self.block_size, self.device)
+        has_lookahead = any(s.lookahead is not None for s in segs)
+        step_kv: list | None = [] if has_lookahead else None
         hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
+            torch.from_numpy(inputs.input_ids).to(self.device),
+            torch.from_numpy(inputs.positions).to(self.device),
             self.kv_caches,
-            meta,
+            inputs.meta,
+            step_kv,
         )
-        sample_rows = [i for i, s in enumerate(segs) if s.sample]
+        starts = inputs.meta.query_start_loc
         sampled: list[list[int]] = [[] for _ in segs]
-        if sample_rows:
-            last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[last])
-            tokens = self.sampler.sample(logits, [segs[i] for i in sample_rows])
-            for row, token in zip(sample_rows, tokens, strict=True):
-                sampled[row] = [token]
-        return ModelRunnerOutput(req_ids=[s.req_id for s in segs], sampled_token_ids=sampled)
+        window_outs: list[list[int]] = [[] for _ in segs]
+
+        plain = [i for i, s in enumerate(segs) if s.sample and s.lookahead is None]
+        if plain:
+            rows = torch.tensor([starts[i + 1] - 1 for i in plain], device=self.device)
+            tokens = self.sampler.sample(self.model.compute_logits(hidden[rows]), [segs[i] for i in plain])
+            for i, token in zip(plain, tokens, strict=True):
+                sampled[i] = [token]
+
+        commits: list[tuple[int, int, int]] = []  # (segment, first token index, num tokens from x)
+        for i, seg in enumerate(segs):
+            if seg.lookahead is None:
+                continue
+            verdict, window_outs[i] = self._lookahead(seg, hidden, starts[i])
+            sampled[i] = verdict.tokens
+            commits.append((i, verdict.candidate, verdict.num_matched))
+        if commits:
+            self._commit(segs, inputs, commits, step_kv)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in segs],
+            sampled_token_ids=sampled,
+            lookahead_outputs=window_outs if has_lookahead else None,
+        )
+
+    def _lookahead(self, seg: ScheduledRequest, hidden: torch.Tensor, lo: int) -> tuple[Verdict, list[int]]:
+        """Verify one lookahead segment; also return the model's argmax at its newest window level."""
+        lay = seg.lookahead
+        assert lay is not None
+        top = lay.level_start(lay.num_levels - 1)
+        g, m = lay.num_candidates, lay.candidate_len
+        cand_lo = lay.num_window_tokens
+        rows = [lo] + list(range(lo + top, lo + top + lay.num_last_level)) + list(range(lo + cand_lo, lo + cand_lo + g * m))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        argmax = logits.argmax(dim=-1).tolist()
+        window = argmax[1 : 1 + lay.num_last_level]
+        toks = seg.token_ids[cand_lo:]
+        candidates = [toks[j * m : (j + 1) * m] for j in range(g)]
+        if seg.temperature < 1e-5:
+            cand_arg = argmax[1 + lay.num_last_level :]
+            verdict = verify_greedy(argmax[0], candidates, [cand_arg[j * m : (j + 1) * m] for j in range(g)])
+        else:
+            pick = [0] + list(range(1 + lay.num_last_level, len(rows)))
+            n = len(pick)
+            probs = processed_probs(
+                logits[pick],
+                torch.full((n,), seg.temperature),
+                torch.full((n,), seg.top_k),
+                torch.full((n,), seg.top_p),
+            ).cpu()
+            verdict = verify_sampling(probs[0], candidates, probs[1:].view(g, m, probs.shape[-1]), self.sampler.generator(seg))
+        return verdict, window
+
+    def _commit(self, segs, inputs: StepInputs, commits, step_kv) -> None:
+        """Write x's and the accepted candidate tokens' keys and values to their slots."""
+        starts = inputs.meta.query_start_loc
+        token_idx: list[int] = []
+        seg_rows: list[int] = []
+        positions: list[int] = []
+        for i, cand, k in commits:
+            lo, lay, p = starts[i], segs[i].lookahead, segs[i].start_pos
+            cand_start = lo + lay.candidate_start(cand) if k else 0
+            token_idx += [lo] + [cand_start + d for d in range(k)]
+            positions += list(range(p, p + k + 1))
+            seg_rows += [i] * (k + 1)
+        slots = compute_slot_mapping(inputs.block_table, np.asarray(seg_rows), np.asarray(positions), self.block_size)
+        idx = torch.tensor(token_idx, device=self.device)
+        slot_t = torch.from_numpy(slots).to(self.device)
+        for kv_cache, (k, v) in zip(self.kv_caches, step_kv, strict=True):
+            kv_cache[0].index_copy_(0, slot_t, k[idx])
+            kv_cache[1].index_copy_(0, slot_t, v[idx])

@@ -12,7 +12,15 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_steps: int  # forward passes that produced at least one output token
+    num_output_tokens: int = 0
     num_preemptions: int = 0
+    accepted_lengths: dict[int, int] = field(default_factory=dict)  # tokens per lookahead step -> steps
+    pool_hits: int = 0  # lookahead steps that found candidates in the n-gram pool
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens per decoding step: the compression ratio (1.0 for plain decoding)."""
+        return self.num_output_tokens / self.num_steps if self.num_steps else 0.0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -49,5 +57,4 @@ class RequestOutput:
 
     @property
     def tokens_per_step(self) -> float:
-        steps = self.metrics.num_steps
-        return self.num_generated_tokens / steps if steps else 0.0
+        return self.metrics.tokens_per_step

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.lookahead import LookaheadLayout
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -21,6 +23,7 @@ class ScheduledRequest:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    lookahead: LookaheadLayout | None = None  # set for a lookahead step: token_ids follow this layout
 
 
 @dataclass(slots=True)
@@ -38,4 +41,9 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class ModelRunnerOutput:
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # per scheduled request; empty for a prefill chunk that samples nothing
+    # Per scheduled request; empty for a prefill chunk that samples nothing. For a lookahead step: the
+    # accepted tokens (matched candidate tokens, then the bonus token), whose first len - 1 inputs were
+    # committed to the cache together with x.
+    sampled_token_ids: list[list[int]]
+    # Per scheduled request: for a lookahead step the model's argmax at the newest window level, else [].
+    lookahead_outputs: list[list[int]] | None = None

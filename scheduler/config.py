@@ -2,7 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from scheduler.params import LookaheadParams
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """Engine-wide lookahead: the default for requests that do not say, and the most any may ask for.
+
+    The scheduler's own default is plain decoding; the engine (engine.config) turns lookahead on.
+    """
+
+    default: LookaheadParams = field(default_factory=lambda: LookaheadParams(enabled=False))
+    max_window_size: int = 16
+    max_ngram_size: int = 8
+    max_verification_set_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_window_size", "max_ngram_size", "max_verification_set_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {getattr(self, name)!r}")
+        self.check(self.default)
+
+    def check(self, params: LookaheadParams) -> None:
+        """ValueError if ``params`` asks for more than the engine allows."""
+        if params.is_plain:
+            return
+        for name, limit in (
+            ("window_size", self.max_window_size),
+            ("ngram_size", self.max_ngram_size),
+            ("verification_set_size", self.max_verification_set_size),
+        ):
+            if getattr(params, name) > limit:
+                raise ValueError(f"lookahead.{name} {getattr(params, name)} exceeds the server maximum {limit}")
 
 
 @dataclass(frozen=True)
@@ -15,6 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the engine fills in the model's limit
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

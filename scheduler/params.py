@@ -10,6 +10,37 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 
 
+@dataclass(frozen=True)
+class LookaheadParams:
+    """Lookahead decoding for one request, named as TensorRT-LLM names them.
+
+    window_size W: future positions worked on per step. ngram_size N: n-gram length (at most N tokens
+    accepted per step). verification_set_size G: n-grams verified per step, and the pool's cap per key.
+    ``LookaheadParams(enabled=False)`` or (1, 1, 0) is plain decoding.
+    """
+
+    window_size: int = 4
+    ngram_size: int = 3
+    verification_set_size: int = 4
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "ngram_size", "verification_set_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"lookahead.{name} must be a non-negative int, got {value!r}")
+        if self.is_plain:
+            return
+        if self.window_size < 2:
+            raise ValueError(f"lookahead.window_size must be at least 2 (or 1 with ngram_size 1), got {self.window_size}")
+        if self.ngram_size < 3:
+            raise ValueError(f"lookahead.ngram_size must be at least 3 (or 1 for plain decoding), got {self.ngram_size}")
+
+    @property
+    def is_plain(self) -> bool:
+        return not self.enabled or (self.window_size <= 1 and self.ngram_size <= 1)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request.
@@ -21,6 +52,7 @@ class SamplingParams:
     stop: strings that end generation (not included in the text unless include_stop_str_in_output).
     stop_token_ids: token ids that end generation (the token is kept in token_ids).
     ignore_eos: keep generating after the model's end-of-sequence token.
+    lookahead: None takes the engine's default; LookaheadParams(enabled=False) decodes plainly.
     """
 
     temperature: float = 1.0
@@ -34,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    lookahead: LookaheadParams | None = None
     stop_strs: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -57,6 +90,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        if self.lookahead is not None and not isinstance(self.lookahead, LookaheadParams):
+            raise ValueError(f"lookahead must be a LookaheadParams or None, got {self.lookahead!r}")
 
     @property
     def greedy(self) -> bool:

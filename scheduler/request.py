@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
+from scheduler.lookahead import LookaheadState
 from scheduler.params import SamplingParams
 
 
@@ -69,6 +71,8 @@ class Request:
         self.num_preemptions = 0
         self.num_steps = 0  # forward passes that produced at least one output token
         self.timing = RequestTiming()
+        self.lookahead: LookaheadState | None = None  # set by the scheduler when lookahead is on
+        self.accepted_lengths: Counter[int] = Counter()  # tokens produced per lookahead step -> steps
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from kv_cache import KVCacheManager
 from scheduler.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.config import SchedulerConfig
+from scheduler.lookahead import LookaheadLayout, LookaheadState
 from scheduler.request import Request, RequestStatus
 
 
@@ -45,6 +46,12 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {request.num_prompt_tokens} tokens needs {blocks_needed} KV blocks; "
                 f"the cache has {self.kv.pool.num_blocks}"
+            )
+        la = request.sampling_params.lookahead or self.config.lookahead.default
+        self.config.lookahead.check(la)
+        if not la.is_plain:
+            request.lookahead = LookaheadState(
+                la.window_size, la.ngram_size, la.verification_set_size, request.prompt_token_ids, request.eos_token_ids
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -87,15 +94,31 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
+            plan = self._plan_lookahead(req, budget) if num_new == 1 else None
+            # A lookahead step commits x plus at most candidate_len accepted tokens.
+            num_reserved = 1 + plan[0].candidate_len if plan and plan[0].num_candidates else num_new
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_reserved) is None:
+                if plan is not None:  # first give up the lookahead reservation, then preempt
+                    plan, num_reserved = None, num_new
+                    continue
+                if i == 0 and len(self.running) == 1:
+                    # Alone and still out of blocks: the request has outgrown the whole cache.
+                    self._finish(req, RequestStatus.FINISHED_LENGTH)
+                    req = None
+                    break
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                scheduled.append(self._segment(req, num_new))
-                budget -= num_new
+                assert req is not None
+                if plan is None:
+                    scheduled.append(self._segment(req, num_new))
+                    budget -= num_new
+                else:
+                    scheduled.append(self._segment(req, 1, plan))
+                    budget -= plan[0].num_tokens
                 i += 1
                 continue
             break
@@ -127,11 +150,21 @@ class Scheduler:
         """Advance every scheduled request by what the runner computed; return those given new tokens."""
         now = time.monotonic()
         updated = []
-        for seg, sampled in zip(sched_out.scheduled, runner_out.sampled_token_ids, strict=True):
+        for i, (seg, sampled) in enumerate(zip(sched_out.scheduled, runner_out.sampled_token_ids, strict=True)):
             req = self.requests.get(seg.req_id)
             if req is None or req.status.finished:
                 continue  # aborted while the model ran: its output is dropped
-            req.num_computed_tokens += len(seg.token_ids)
+            if seg.lookahead is not None:
+                assert req.lookahead is not None and runner_out.lookahead_outputs is not None
+                req.num_computed_tokens += len(sampled)  # x and the matched candidate tokens
+                req.lookahead.update(seg.token_ids[0], runner_out.lookahead_outputs[i], sampled)
+                req.accepted_lengths[len(sampled)] += 1
+                if seg.lookahead.num_candidates:
+                    req.lookahead.num_pool_hits += 1
+            else:
+                req.num_computed_tokens += len(seg.token_ids)
+                if sampled and req.lookahead is not None:
+                    req.lookahead.add_output(sampled)
             if sampled:
                 req.num_steps += 1
                 if req.timing.first_token is None:
@@ -148,15 +181,30 @@ class Scheduler:
         return updated
 
     # ---- internals -----------------------------------------------------------------------------
-    def _segment(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _plan_lookahead(self, req: Request, budget: int) -> tuple[LookaheadLayout, list[int]] | None:
+        """The request's lookahead segment for this step, or None to decode plainly."""
+        state = req.lookahead
+        if state is None:
+            return None
+        max_candidates = state.pool.cap
+        layout, tokens = state.plan(req.all_token_ids[-1], max_candidates)
+        furthest = req.num_computed_tokens + max(layout.num_levels + layout.num_cols - 2, layout.candidate_len)
+        if layout.num_tokens > budget or furthest >= self.config.max_model_len:
+            return None
+        return layout, tokens
+
+    def _segment(
+        self, req: Request, num_new: int, plan: tuple[LookaheadLayout, list[int]] | None = None
+    ) -> ScheduledRequest:
         start = req.num_computed_tokens
         p = req.sampling_params
         return ScheduledRequest(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + num_new],
+            token_ids=plan[1] if plan else req.all_token_ids[start : start + num_new],
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             sample=start + num_new == req.num_tokens,
+            lookahead=plan[0] if plan else None,
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
