@@ -3,8 +3,10 @@
 What it measures: output tokens per second for the same greedy, fp32, CPU workload on four systems,
 each at concurrency levels 1, 8 and 32 (``--concurrency``):
 
-* ``ours``      -- ``LLM().generate`` over the c prompts in one call (the engine's defaults, so
-                   lookahead decoding is on; greedy lookahead should keep plain greedy's tokens).
+* ``ours``      -- ``LLM().generate`` over the c prompts in one call, with lookahead decoding off by
+                   default (``--lookahead off``): this measures the paged, continuously batched engine
+                   itself; ``--lookahead default`` or ``--lookahead W,N,G`` turns it on
+                   (benchmarks/lookahead.py measures lookahead properly).
 * ``hf``        -- ``model.generate`` one request at a time. Its tokens/s does not depend on c, so for
                    c > 1 it is measured once on ``--num-sequential`` prompts and that rate fills every row.
 * ``hf_padded`` -- ``model.generate`` on one left-padded batch of the c prompts (attention mask passed).
@@ -58,7 +60,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, LLMEngine, LookaheadParams, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"
@@ -142,8 +144,16 @@ def build_prompts(engine: LLMEngine, questions: Sequence[str]) -> list[Prompt]:
 class Systems:
     """One generate function per system: (prompts, max_tokens) -> generated token ids per prompt."""
 
-    def __init__(self, llm: LLM | None, hf_model: PreTrainedModel | None, pad_id: int, max_batched_tokens: int):
+    def __init__(
+        self,
+        llm: LLM | None,
+        hf_model: PreTrainedModel | None,
+        pad_id: int,
+        max_batched_tokens: int,
+        lookahead: LookaheadParams | None = None,
+    ):
         self.llm = llm
+        self.lookahead = lookahead
         self.hf_model = hf_model
         self.pad_id = pad_id
         self.max_batched_tokens = max_batched_tokens
@@ -154,7 +164,7 @@ class Systems:
 
     def ours(self, prompts: Sequence[Prompt], max_tokens: int) -> list[TokenIds]:
         assert self.llm is not None
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, lookahead=self.lookahead)
         outputs = self.llm.generate([p.text for p in prompts], params)
         self.ours_tokens_per_step.extend(o.tokens_per_step for o in outputs)
         return [list(o.outputs[0].token_ids) for o in outputs]
@@ -348,6 +358,9 @@ def markdown_table(results: Sequence[Measurement]) -> str:
 
 def legend(args: argparse.Namespace, names: Sequence[str]) -> str:
     systems = "\n".join(f"- `{n}`: {DESCRIPTIONS[n]}" for n in names)
+    la = args.lookahead
+    lookahead = "engine default" if la is None else ("off" if la.is_plain else f"({la.window_size},{la.ngram_size},{la.verification_set_size})")
+    systems += f"\n\nOur lookahead: {lookahead}."
     sequential = (
         f"`hf` at c>1 is measured one request at a time on {args.num_sequential} prompt(s): sequential "
         "tokens/s is the same whatever c, so that rate is reported in every c>1 row. "
@@ -417,8 +430,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=512,
         help="per-step token budget, for our scheduler and HF continuous batching alike (default: %(default)s)",
     )
+    p.add_argument(
+        "--lookahead",
+        type=lookahead_arg,
+        default=LookaheadParams(enabled=False),
+        help="our lookahead: off, default (the engine's) or W,N,G (default: off)",
+    )
     p.add_argument("--results", type=Path, help="append a dated Markdown section to this file")
     return p.parse_args(argv)
+
+
+def lookahead_arg(text: str) -> LookaheadParams | None:
+    if text == "off":
+        return LookaheadParams(enabled=False)
+    if text == "default":
+        return None
+    try:
+        w, n, g = (int(v) for v in text.split(","))
+        return LookaheadParams(w, n, g)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--lookahead takes off, default or W,N,G: {e}") from e
 
 
 def load_hf_model(path: Path) -> PreTrainedModel:
@@ -436,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = llm.tokenizer
     hf_model = load_hf_model(llm.engine.model_path) if set(names) - {"ours"} else None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    systems = Systems(llm if "ours" in names else None, hf_model, pad_id, args.max_batched_tokens)
+    systems = Systems(llm if "ours" in names else None, hf_model, pad_id, args.max_batched_tokens, args.lookahead)
 
     count = max([*args.concurrency, args.num_single, args.num_sequential, 2])
     prompts = build_prompts(llm.engine, load_first_turns(args.questions, count))

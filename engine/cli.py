@@ -16,6 +16,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size (default: %(default)s)")
 
 
+def _lookahead(text: str):
+    from engine import LookaheadParams
+
+    if text == "off":
+        return LookaheadParams(enabled=False)
+    try:
+        w, n, g = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected off or W,N,G (e.g. 7,5,7), got {text!r}") from None
+    try:
+        return LookaheadParams(w, n, g)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
@@ -25,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.raw:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, lookahead=args.lookahead)
     start = time.perf_counter()
     last = None
     for out in llm.stream(prompt, params):
@@ -56,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
     gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G|off",
+                     help="lookahead window, n-gram size and verification set size, or off (default: the engine's, 4,3,4)")
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)

@@ -93,12 +93,12 @@ def test_commit_writes_exactly_the_accepted_slots(tiny_llama):
 def _first_tokens(llm: LLM, prompt: list[int], lookahead: LookaheadParams, n: int, positions: range) -> np.ndarray:
     """Tokens at ``positions`` of n seeded samples; asserts lookahead (when on) accepted drafts."""
     params = [
-        SamplingParams(temperature=0.8, top_k=6, seed=1000 + i, max_tokens=positions.stop, ignore_eos=True, lookahead=lookahead)
+        SamplingParams(temperature=0.6, top_k=6, seed=1000 + i, max_tokens=positions.stop, ignore_eos=True, lookahead=lookahead)
         for i in range(n)
     ]
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params)
     if not lookahead.is_plain:
-        assert sum(o.metrics.num_output_tokens for o in outs) > 1.2 * sum(o.metrics.num_steps for o in outs)
+        assert sum(o.metrics.num_output_tokens for o in outs) > 1.1 * sum(o.metrics.num_steps for o in outs)
     return np.array([[o.outputs[0].token_ids[k] for k in positions] for o in outs])
 
 
@@ -116,15 +116,20 @@ def _same_distribution(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def sampling_setup(tiny_llama):
     rng = random.Random(7)
-    prompt = [rng.randrange(96) for _ in range(150)]  # most tokens have pool entries
     llm = LLM(tiny_llama, block_size=16, max_num_seqs=400, max_num_batched_tokens=8192, max_model_len=400)
+    # The prompt ends with the model's own greedy text, so the pool holds n-grams the model likes and
+    # sampled continuations often match a candidate: verification really decides many tokens.
+    seed = [rng.randrange(96) for _ in range(8)]
+    own = llm.generate([{"prompt_token_ids": seed}], SamplingParams(temperature=0, max_tokens=120, lookahead=PLAIN))
+    prompt = seed + own[0].outputs[0].token_ids
     off = _first_tokens(llm, prompt, PLAIN, N_SAMPLES, POSITIONS)
     return llm, prompt, off
 
 
 N_SAMPLES = 400
-POSITIONS = range(2, 5)  # tokens produced after the one warm-up step of N = 3
-# Three positions, each tested at alpha = 1e-3: a false alarm rate of about 0.3% per run of the test.
+POSITIONS = range(2, 8)  # tokens produced after the one warm-up step of N = 3
+# Six positions, each tested at alpha = 1e-3: a false alarm rate of about 0.6% per run of the test
+# (the seeds are fixed, so a given version of the code either passes or fails every time).
 ALPHA = 1e-3
 
 

@@ -1,0 +1,159 @@
+"""Lookahead decoding on the default model: compression ratio and wall-clock against lookahead off.
+
+For each prompt set (MT-bench first turns through the chat template; HumanEval prompts raw) and each
+(W, N, G) in ``--configs``, plus lookahead off, it runs greedy generation of ``--max-tokens`` tokens:
+
+* ``batch``  -- all ``--num-prompts`` prompts in one ``generate`` call (continuous batching);
+* ``single`` -- the first ``--num-single`` prompts one at a time (batch 1).
+
+Reported per row: generated tokens, decoding steps (forward passes that produced at least one token of
+a request; the prefill that yields the first token counts), the compression ratio (tokens / steps, summed
+over requests, and the mean of the per-request ratios), the same over the first 10 prompts, wall-clock
+seconds, tokens/s, speedup over lookahead off in the same mode, and whether every output equals plain
+greedy decoding token for token.
+
+    .venv/bin/python benchmarks/lookahead.py --results benchmarks/RESULTS.md
+
+Prompt files default to ../shared/data (``--mt-bench``, ``--humaneval``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import LLM, LookaheadParams, SamplingParams
+from scheduler.lookahead import step_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data"
+OFF = LookaheadParams(enabled=False)
+
+
+@dataclass
+class Row:
+    prompt_set: str
+    mode: str
+    config: LookaheadParams
+    tokens: list[int]
+    steps: list[int]
+    seconds: float
+    identical: bool | None = None
+    speedup: float | None = None
+
+    @property
+    def label(self) -> str:
+        c = self.config
+        return "off" if c.is_plain else f"({c.window_size},{c.ngram_size},{c.verification_set_size})"
+
+    def ratio(self, n: int | None = None) -> float:
+        return sum(self.tokens[:n]) / sum(self.steps[:n])
+
+    def mean_ratio(self) -> float:
+        return sum(t / s for t, s in zip(self.tokens, self.steps)) / len(self.tokens)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_prompts(llm: LLM, mt_path: Path, he_path: Path, n: int) -> dict[str, list[str]]:
+    with open(mt_path) as f:
+        mt = [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
+    with gzip.open(he_path, "rt") as f:
+        he = [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+    chat = [llm.engine.apply_chat_template([{"role": "user", "content": q}]) for q in mt]
+    return {"MT-bench": chat, "HumanEval": he}
+
+
+def run(llm: LLM, prompts: list[str], config: LookaheadParams, max_tokens: int, single: bool) -> tuple[list, float]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=config)
+    start = time.perf_counter()
+    if single:
+        outs = [llm.generate(p, params)[0] for p in prompts]
+    else:
+        outs = llm.generate(prompts, params)
+    return outs, time.perf_counter() - start
+
+
+def parse_configs(text: str) -> list[LookaheadParams]:
+    return [LookaheadParams(*(int(v) for v in part.split(","))) for part in text.split(";") if part]
+
+
+def table(rows: list[Row]) -> str:
+    head = (
+        "| prompts | mode | (W,N,G) | n | tokens | steps | tokens/step | mean per request | first 10 | "
+        "wall s | tok/s | speedup vs off | identical to off |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"
+    )
+    lines = [head]
+    for r in rows:
+        ident = "-" if r.identical is None else ("yes" if r.identical else "**no**")
+        lines.append(
+            f"| {r.prompt_set} | {r.mode} | {r.label} | {len(r.tokens)} | {sum(r.tokens)} | {sum(r.steps)} | "
+            f"{r.ratio():.3f} | {r.mean_ratio():.3f} | {r.ratio(10):.3f} | {r.seconds:.1f} | "
+            f"{sum(r.tokens) / r.seconds:.1f} | {r.speedup:.2f}x | {ident} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mt-bench", type=Path, default=DATA / "mt_bench_questions.jsonl")
+    ap.add_argument("--humaneval", type=Path, default=DATA / "humaneval.jsonl.gz")
+    ap.add_argument("--num-prompts", type=int, default=20, help="prompts per set in batch mode (default: %(default)s)")
+    ap.add_argument("--num-single", type=int, default=5, help="prompts per set at batch 1 (default: %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--configs", type=parse_configs, default=parse_configs("15,5,15;7,5,7;5,3,5;4,3,4"),
+                    help="semicolon-separated W,N,G (default: 15,5,15;7,5,7;5,3,5;4,3,4)")
+    ap.add_argument("--modes", default="batch,single", help="batch and/or single (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--results", type=Path, help="append a dated Markdown section to this file")
+    args = ap.parse_args(argv)
+
+    budget = max(step_tokens(c.window_size, c.ngram_size, c.verification_set_size) for c in args.configs)
+    # Room for every request's largest lookahead segment at once: no request falls back for lack of budget.
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=max(512, budget * args.num_prompts), max_num_seqs=256)
+    sets = load_prompts(llm, args.mt_bench, args.humaneval, args.num_prompts)
+    rows: list[Row] = []
+    for mode in args.modes.split(","):
+        for name, prompts in sets.items():
+            if mode == "single":
+                prompts = prompts[: args.num_single]
+            baseline = None
+            for config in [OFF, *args.configs]:
+                log(f"{name} {mode} {config} on {len(prompts)} prompts ...")
+                outs, seconds = run(llm, prompts, config, args.max_tokens, mode == "single")
+                row = Row(name, mode, config, [o.metrics.num_output_tokens for o in outs],
+                          [o.metrics.num_steps for o in outs], seconds)
+                ids = [o.outputs[0].token_ids for o in outs]
+                if baseline is None:
+                    baseline = (ids, row)
+                else:
+                    row.identical = ids == baseline[0]
+                row.speedup = (sum(row.tokens) / seconds) / (sum(baseline[1].tokens) / baseline[1].seconds)
+                log(f"  {row.ratio():.3f} tokens/step, {seconds:.1f} s, identical={row.identical}")
+                rows.append(row)
+    machine = f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    text = (
+        f"Machine: {machine}\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`\n\n"
+        f"Greedy, {args.dtype}, at most {args.max_tokens} new tokens (EOS ends a request), default model.\n\n{table(rows)}"
+    )
+    print(text)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(f"\n## Lookahead decoding, {datetime.date.today()}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
