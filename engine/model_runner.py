@@ -75,12 +75,16 @@ def build_step_inputs(segs: list[ScheduledRequest], block_size: int, device: tor
     block_idx = np.minimum(positions // bs, table.shape[1] - 1)
     slots = np.where(transient, -1, table[seg_of_token, block_idx] * bs + positions % bs)
 
-    is_decode = seg_lens == 1
+    # A decode token attends to its prefix and itself, all in the cache once it is written.
+    is_lookahead = np.fromiter((s.lookahead is not None for s in segs), dtype=bool, count=n_segs)
+    is_decode = (seg_lens == 1) & ~is_lookahead
     decode_segs = np.flatnonzero(is_decode)
-    ctx = starts[decode_segs]
+    ctx = starts[decode_segs] + 1
     grid = np.arange(int(ctx.max()) if len(ctx) else 0)
-    prefix_mask = grid[None, :] < ctx[:, None]
-    dec_slots = np.where(prefix_mask, table[decode_segs][:, grid // bs] * bs + grid % bs, 0)
+    decode_mask = grid[None, :] < ctx[:, None]
+    dec_block = np.minimum(grid // bs, table.shape[1] - 1)
+    dec_slots = np.where(decode_mask, table[decode_segs][:, dec_block] * bs + grid % bs, 0)
+    written = np.flatnonzero(~transient)
 
     prefix_slots: list[torch.Tensor | None] = [None] * n_segs
     other_segs = np.flatnonzero(~is_decode).tolist()
@@ -96,10 +100,13 @@ def build_step_inputs(segs: list[ScheduledRequest], block_size: int, device: tor
         block_tables=torch.from_numpy(table).to(device),
         slot_mapping=torch.from_numpy(slots).to(device),
         block_size=bs,
+        write_all=len(written) == num_tokens,
+        write_token_idx=torch.from_numpy(written).to(device),
+        write_slots=torch.from_numpy(slots[written]).to(device),
         decode_segs=decode_segs.tolist(),
         decode_token_idx=torch.from_numpy(cu[decode_segs]).to(device),
-        decode_prefix_slots=torch.from_numpy(dec_slots).to(device),
-        decode_prefix_mask=torch.from_numpy(prefix_mask).to(device),
+        decode_slots=torch.from_numpy(dec_slots).to(device),
+        decode_mask=torch.from_numpy(decode_mask).to(device),
         other_segs=other_segs,
         prefix_slots=prefix_slots,
         seg_masks=seg_masks,

@@ -6,7 +6,10 @@ A step is one packed batch of ragged segments (one per scheduled request). Each 
       (every token of the step comes after them), and
   (b) the tokens of its own segment, under the segment's mask (causal by default),
 
-and the two parts are merged exactly by their log-sum-exps. GPU backends implement the same split.
+and the two parts are merged exactly by their log-sum-exps. Tokens that are committed as they run
+(prefill chunks, plain decodes) are written to the cache first, so for them (a) and (b) can also be one
+attention over the cache; lookahead segments are transient and always take the split. GPU backends
+implement the same contract.
 """
 
 from __future__ import annotations
@@ -23,16 +26,21 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_segs + 1] offsets of each segment in the packed batch
     context_lens: list[int]  # [num_segs] cached-prefix length of each segment
     block_tables: torch.Tensor  # [num_segs, max_blocks] int64
-    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = do not write this token's K/V now
+    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = transient, never written to the cache
     block_size: int
-    # Decode segments (one query token) batched together: their indices, token indices and prefix slots.
+    # Tokens whose K/V go to the cache as the layer runs (all of them, or an index subset).
+    write_all: bool
+    write_token_idx: torch.Tensor  # [num_written]
+    write_slots: torch.Tensor  # [num_written]
+    # Decode segments (one query token) batched together: the token attends to its prefix and itself,
+    # all in the cache once written. Slots are padded with 0 and masked.
     decode_segs: list[int]
     decode_token_idx: torch.Tensor  # [num_decodes]
-    decode_prefix_slots: torch.Tensor  # [num_decodes, max_ctx] int64 (padded with 0)
-    decode_prefix_mask: torch.Tensor  # [num_decodes, max_ctx] bool, True where a real prefix token
+    decode_slots: torch.Tensor  # [num_decodes, max_ctx + 1] int64
+    decode_mask: torch.Tensor  # [num_decodes, max_ctx + 1] bool
     other_segs: list[int]  # segments of several tokens, run one by one
     prefix_slots: list[torch.Tensor | None]  # per segment: slots of its cached prefix (None if empty)
-    seg_masks: list[torch.Tensor | None]  # per segment: in-step mask [q, q] bool (None = causal)
+    seg_masks: list[torch.Tensor | None]  # per segment: in-step tree mask [q, q] (None = causal, written)
 
 
 class AttentionBackend(ABC):
