@@ -8,7 +8,11 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: install run test bench-throughput clean
+HOST ?= 127.0.0.1
+PORT ?= 50051
+PROTO_OUT := proto/lookahead/v1
+
+.PHONY: install run serve generate test proto bench-throughput bench-lookahead clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,14 +24,28 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Serve the default model on $(HOST):$(PORT); once it is healthy, stream one demo answer through the
+# real client; keep serving until Ctrl-C.
 run: $(STAMP)
+	$(PY) deploy/run_demo.py --host $(HOST) --port $(PORT) --prompt "$(PROMPT)"
+
+serve: $(STAMP)
+	$(VENV)/bin/lookahead-serve serve --host $(HOST) --port $(PORT)
+
+generate: $(STAMP)
 	$(VENV)/bin/lookahead-serve generate "$(PROMPT)"
+
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_OUT)/lookahead.proto
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench-throughput: $(STAMP)
-	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/throughput.py --results benchmarks/RESULTS.md
+
+bench-lookahead: $(STAMP)
+	$(PY) benchmarks/lookahead.py --results benchmarks/RESULTS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

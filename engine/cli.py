@@ -32,10 +32,9 @@ def _lookahead(text: str):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-              kv_cache_memory_gib=args.kv_cache_memory_gib)
+    llm = _engine_from_args(args)
     prompt = args.prompt
     if not args.raw:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": prompt}])
@@ -61,21 +60,104 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_from_args(args: argparse.Namespace):
+    from engine import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
+               kv_cache_memory_gib=args.kv_cache_memory_gib)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from engine.async_engine import AsyncLLMEngine
+    from engine.loader import DEFAULT_MODEL_NAME
+    from proto.server import serve_forever
+
+    llm = _engine_from_args(args)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
+    engine = AsyncLLMEngine(llm.engine, max_live_requests=args.max_live_requests)
+    try:
+        asyncio.run(serve_forever(engine, name, args.host, args.port, args.metrics_port))
+    except KeyboardInterrupt:
+        engine.shutdown()
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from proto.lookahead.v1 import lookahead_pb2 as pb
+    from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
+    if args.raw:
+        request.text = args.prompt.encode()
+    else:
+        request.chat.messages.add(role="user", content=args.prompt)
+    if args.seed is not None:
+        request.sampling.seed = args.seed
+    if args.lookahead is not None:
+        la = args.lookahead
+        request.lookahead.CopyFrom(pb.LookaheadParams(enabled=not la.is_plain, window_size=la.window_size,
+                                                      ngram_size=la.ngram_size, verification_set_size=la.verification_set_size))
+    start = time.perf_counter()
+    with grpc.insecure_channel(args.server) as channel:
+        try:
+            last = None
+            for chunk in pb_grpc.LookaheadServiceStub(channel).Generate(request, timeout=args.timeout):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+        except grpc.RpcError as e:
+            print(f"\nlookahead-serve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    elapsed = time.perf_counter() - start
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if last is not None:
+        u = last.usage
+        print(f"[{u.completion_tokens} tokens in {elapsed:.2f} s: {u.completion_tokens / elapsed:.1f} tokens/s, "
+              f"{u.tokens_per_step:.2f} tokens/step, finish: {last.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G|off",
+                   help="lookahead window, n-gram size and verification set size, or off (default: the engine's, 4,3,4)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lookahead-serve", description="LLM serving engine with lookahead decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one answer from the model to the terminal")
-    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
-    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: %(default)s)")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    _add_sampling_args(gen)
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
-    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G|off",
-                     help="lookahead window, n-gram size and verification set size, or off (default: the engine's, 4,3,4)")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve the model over gRPC (LookaheadService, health, reflection)")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: %(default)s)")
+    srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    srv.add_argument("--served-model-name", default=None, help="name clients may put in GenerateRequest.model")
+    srv.add_argument("--max-live-requests", type=int, default=256,
+                     help="requests held at once; more get RESOURCE_EXHAUSTED (default: %(default)s)")
+    srv.set_defaults(func=_serve)
+
+    cli = sub.add_parser("client", help="stream an answer from a running server")
+    _add_sampling_args(cli)
+    cli.add_argument("--server", default="127.0.0.1:50051", help="host:port (default: %(default)s)")
+    cli.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
+    cli.set_defaults(func=_client)
     return parser
 
 

@@ -1,0 +1,81 @@
+"""Proto messages <-> engine types. Every bad field becomes a ValueError that names it."""
+
+from __future__ import annotations
+
+from engine.llm_engine import LLMEngine, PromptType
+from engine.outputs import RequestOutput
+from proto.lookahead.v1 import lookahead_pb2 as pb
+from scheduler import LookaheadParams, SamplingParams
+
+
+def to_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> PromptType:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise ValueError("prompt: one of text, token_ids or chat is required")
+    if kind == "text":
+        try:
+            text = request.text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"text is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        if not text:
+            raise ValueError("text: the prompt is empty")
+        return text
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise ValueError("token_ids: the prompt is empty")
+        return {"prompt_token_ids": ids}
+    messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    if not messages:
+        raise ValueError("chat: at least one message is required")
+    if any(not m["role"] for m in messages):
+        raise ValueError("chat: every message needs a role")
+    return engine.apply_chat_template(messages)
+
+
+def to_sampling_params(request: pb.GenerateRequest, max_model_len: int) -> SamplingParams:
+    s = request.sampling
+    kwargs: dict = {}
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens"):
+        if s.HasField(name):
+            kwargs[name] = getattr(s, name)
+    if "max_tokens" in kwargs and kwargs["max_tokens"] > max_model_len:
+        raise ValueError(f"max_tokens {kwargs['max_tokens']} exceeds the server's max_model_len {max_model_len}")
+    if s.stop:
+        kwargs["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        kwargs["stop_token_ids"] = list(s.stop_token_ids)
+    kwargs["ignore_eos"] = s.ignore_eos
+    if request.HasField("lookahead"):
+        la = request.lookahead
+        kwargs["lookahead"] = (
+            LookaheadParams(la.window_size, la.ngram_size, la.verification_set_size)
+            if la.enabled
+            else LookaheadParams(enabled=False)
+        )
+    return SamplingParams(**kwargs)
+
+
+def to_lookahead_proto(params: LookaheadParams) -> pb.LookaheadParams:
+    return pb.LookaheadParams(
+        enabled=not params.is_plain,
+        window_size=params.window_size,
+        ngram_size=params.ngram_size,
+        verification_set_size=params.verification_set_size,
+    )
+
+
+def to_response(out: RequestOutput, text: str, token_ids: list[int]) -> pb.GenerateResponse:
+    completion = out.outputs[0]
+    response = pb.GenerateResponse(request_id=out.request_id, text=text, token_ids=token_ids)
+    if out.finished:
+        response.finish_reason = completion.finish_reason or ""
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=len(completion.token_ids),
+                decoding_steps=out.metrics.num_steps,
+                tokens_per_step=out.metrics.tokens_per_step,
+            )
+        )
+    return response
