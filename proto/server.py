@@ -25,21 +25,29 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LookaheadService"].full_name
 
 
-class LookaheadServicer(pb_grpc.LookaheadServiceServicer):
+class RequestError(Exception):
+    """A request that ends with a non-OK status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class ServiceCore:
+    """The service's logic, shared by the standalone server and the Ray Serve deployment."""
+
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
 
-    def _check_model(self, request: pb.GenerateRequest) -> None:
-        if request.model and request.model != self.model_name:
-            raise ValueError(f"model {request.model!r} is not served here; this server serves {self.model_name!r}")
-
-    async def _stream(self, request: pb.GenerateRequest, context):
-        """RequestOutputs of one call, with every failure mapped to its status code."""
+    async def outputs(self, request: pb.GenerateRequest):
+        """RequestOutputs of one call; every failure raised as a RequestError with its status code."""
         eng = self.engine.engine
         try:
-            self._check_model(request)
+            if request.model and request.model != self.model_name:
+                raise ValueError(f"model {request.model!r} is not served here; this server serves {self.model_name!r}")
             prompt = to_prompt(request, eng)
             params = to_sampling_params(request, eng.scheduler.config.max_model_len)
             async for out in self.engine.generate(prompt, params, request.request_id or None):
@@ -47,27 +55,27 @@ class LookaheadServicer(pb_grpc.LookaheadServiceServicer):
                     self.metrics.observe_finished(out)
                 yield out
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except QueueFullError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except EngineDeadError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except RuntimeError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
 
-    async def Generate(self, request, context):
-        async for out in self._stream(request, context):
+    async def stream(self, request: pb.GenerateRequest):
+        async for out in self.outputs(request):
             c = out.outputs[0]
             if c.delta_token_ids or c.delta_text or out.finished:
                 yield to_response(out, c.delta_text, c.delta_token_ids)
 
-    async def GenerateUnary(self, request, context):
+    async def unary(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
         last = None
-        async for out in self._stream(request, context):
+        async for out in self.outputs(request):
             last = out
         return to_response(last, last.outputs[0].text, last.outputs[0].token_ids)
 
-    async def GetModelInfo(self, request, context):
+    def model_info(self) -> pb.ModelInfo:
         eng = self.engine.engine
         la = eng.scheduler.config.lookahead
         return pb.ModelInfo(
@@ -84,6 +92,27 @@ class LookaheadServicer(pb_grpc.LookaheadServiceServicer):
         )
 
 
+class LookaheadServicer(pb_grpc.LookaheadServiceServicer):
+    def __init__(self, core: ServiceCore) -> None:
+        self.core = core
+
+    async def Generate(self, request, context):
+        try:
+            async for response in self.core.stream(request):
+                yield response
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def GenerateUnary(self, request, context):
+        try:
+            return await self.core.unary(request)
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+    async def GetModelInfo(self, request, context):
+        return self.core.model_info()
+
+
 async def start_server(
     engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 50051, metrics_port: int | None = None
 ) -> tuple[grpc.aio.Server, int]:
@@ -92,7 +121,7 @@ async def start_server(
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=metrics.registry)
     server = grpc.aio.server()
-    pb_grpc.add_LookaheadServiceServicer_to_server(LookaheadServicer(engine, model_name, metrics), server)
+    pb_grpc.add_LookaheadServiceServicer_to_server(LookaheadServicer(ServiceCore(engine, model_name, metrics)), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
