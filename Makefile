@@ -12,7 +12,11 @@ HOST ?= 127.0.0.1
 PORT ?= 50051
 PROTO_OUT := proto/lookahead/v1
 
-.PHONY: install run serve generate test proto bench-throughput bench-lookahead clean
+USERS ?= 8
+RUN_TIME ?= 60s
+LOAD_HOST ?= $(HOST):$(PORT)
+
+.PHONY: install run serve serve-ray load generate test proto bench-throughput bench-lookahead clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +38,16 @@ serve: $(STAMP)
 
 generate: $(STAMP)
 	$(VENV)/bin/lookahead-serve generate "$(PROMPT)"
+
+# Ray Serve on loopback: replicas behind Ray's gRPC proxy on 127.0.0.1:9000 (deploy/serve_config.yaml).
+serve-ray: $(STAMP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deploy/serve_config.yaml
+
+# Headless locust against a running server; CSVs in benchmarks/out/load_*.csv.
+load: $(STAMP)
+	mkdir -p benchmarks/out
+	$(VENV)/bin/locust -f deploy/locustfile.py --host $(LOAD_HOST) --headless -u $(USERS) -r $(USERS) \
+		-t $(RUN_TIME) --csv benchmarks/out/load --only-summary
 
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_OUT)/lookahead.proto

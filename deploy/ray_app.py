@@ -1,0 +1,80 @@
+"""Ray Serve application: each replica holds an async engine; Ray Serve's gRPC proxy serves the same
+`lookahead.v1.LookaheadService`, so the same client stubs talk to one server or to a Ray cluster.
+
+    serve run deploy/serve_config.yaml          # or: make serve-ray
+
+Keep Ray on loopback on a developer machine: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+
+from proto.lookahead.v1 import lookahead_pb2 as pb
+
+SERVICER_FUNCTION = "proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1})
+class LookaheadDeployment:
+    def __init__(self, model: str | None = None, served_model_name: str | None = None,
+                 engine_args: dict[str, Any] | None = None, max_live_requests: int = 256) -> None:
+        import os
+
+        from engine import LLM
+        from engine.async_engine import AsyncLLMEngine
+        from engine.loader import DEFAULT_MODEL_NAME
+        from proto.metrics import ServerMetrics
+        from proto.server import ServiceCore
+
+        llm = LLM(model, **(engine_args or {}))
+        engine = AsyncLLMEngine(llm.engine, max_live_requests=max_live_requests)
+        name = served_model_name or (DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)))
+        self.core = ServiceCore(engine, name, ServerMetrics(llm.engine))
+
+    async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
+        from proto.server import RequestError
+
+        try:
+            async for response in self.core.stream(request):
+                yield response
+        except RequestError as e:
+            grpc_context.set_code(e.code)
+            grpc_context.set_details(e.details)
+            raise
+
+    async def GenerateUnary(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
+        from proto.server import RequestError
+
+        try:
+            return await self.core.unary(request)
+        except RequestError as e:
+            grpc_context.set_code(e.code)
+            grpc_context.set_details(e.details)
+            raise
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
+        return self.core.model_info()
+
+    def __del__(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.engine.shutdown()
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Application builder for `serve run deploy.ray_app:build_app model=... num_replicas=...` and the YAML."""
+    options: dict[str, Any] = {}
+    if "num_replicas" in args:
+        options["num_replicas"] = int(args["num_replicas"])
+    if "num_cpus" in args:
+        options["ray_actor_options"] = {"num_cpus": float(args["num_cpus"])}
+    return LookaheadDeployment.options(**options).bind(
+        model=args.get("model"),
+        served_model_name=args.get("served_model_name"),
+        engine_args=args.get("engine_args"),
+        max_live_requests=int(args.get("max_live_requests", 256)),
+    )
