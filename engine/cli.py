@@ -129,7 +129,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G|off",
-                   help="lookahead window, n-gram size and verification set size, or off (default: the engine's, 4,3,4)")
+                   help="lookahead window, n-gram size and verification set size, or off (default: the engine's, 5,3,5)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
 
 
