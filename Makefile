@@ -16,7 +16,7 @@ USERS ?= 8
 RUN_TIME ?= 60s
 LOAD_HOST ?= $(HOST):$(PORT)
 
-.PHONY: install run serve serve-ray load generate test proto bench-throughput bench-lookahead clean
+.PHONY: install run serve serve-ray load generate test proto bench-throughput bench-lookahead bench-serving clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +43,8 @@ generate: $(STAMP)
 serve-ray: $(STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deploy/serve_config.yaml
 
-# Headless locust against a running server; CSVs in benchmarks/out/load_*.csv.
+# Headless locust against a running server (`make serve`, or `make serve-ray` with LOAD_HOST=127.0.0.1:9000);
+# MT-bench prompts from ../shared/data (LOCUST_PROMPTS=... for others); CSVs in benchmarks/out/load_*.csv.
 load: $(STAMP)
 	mkdir -p benchmarks/out
 	$(VENV)/bin/locust -f deploy/locustfile.py --host $(LOAD_HOST) --headless -u $(USERS) -r $(USERS) \
@@ -60,6 +61,10 @@ bench-throughput: $(STAMP)
 
 bench-lookahead: $(STAMP)
 	$(PY) benchmarks/lookahead.py --results benchmarks/RESULTS.md
+
+# Through the gRPC server: 1, 8 and 32 streaming clients, lookahead on vs off (about 10 minutes).
+bench-serving: $(STAMP)
+	$(PY) benchmarks/serving.py --results benchmarks/RESULTS.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -8,6 +8,8 @@ Keep Ray on loopback on a developer machine: set RAY_ENABLE_WINDOWS_OR_OSX_CLUST
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ray import serve
@@ -18,7 +20,24 @@ from proto.lookahead.v1 import lookahead_pb2 as pb
 SERVICER_FUNCTION = "proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+@contextmanager
+def _grpc_status(grpc_context: RayServegRPCContext) -> Iterator[None]:
+    """Put a RequestError's status code and message on Ray's gRPC context, then re-raise it: Ray's proxy
+    answers the call with that status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) instead of INTERNAL."""
+    from proto.server import RequestError  # lazily: importing this module must not import torch
+
+    try:
+        yield
+    except RequestError as e:
+        grpc_context.set_code(e.code)
+        grpc_context.set_details(e.details)
+        raise
+
+
+# max_ongoing_requests matches the engine's default max_num_seqs (64): a replica takes as many requests
+# as its engine can run at once, and Ray's router sends the rest to another replica instead of queueing
+# them inside this one's engine.
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
 class LookaheadDeployment:
     def __init__(self, model: str | None = None, served_model_name: str | None = None,
                  engine_args: dict[str, Any] | None = None, max_live_requests: int = 256) -> None:
@@ -36,25 +55,13 @@ class LookaheadDeployment:
         self.core = ServiceCore(engine, name, ServerMetrics(llm.engine))
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
-        from proto.server import RequestError
-
-        try:
+        with _grpc_status(grpc_context):
             async for response in self.core.stream(request):
                 yield response
-        except RequestError as e:
-            grpc_context.set_code(e.code)
-            grpc_context.set_details(e.details)
-            raise
 
     async def GenerateUnary(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
-        from proto.server import RequestError
-
-        try:
+        with _grpc_status(grpc_context):
             return await self.core.unary(request)
-        except RequestError as e:
-            grpc_context.set_code(e.code)
-            grpc_context.set_details(e.details)
-            raise
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
         return self.core.model_info()

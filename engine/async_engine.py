@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.llm_engine import LLMEngine, PromptType
@@ -41,7 +42,11 @@ class AsyncLLMEngine:
             raise ValueError(f"max_live_requests must be positive, got {max_live_requests}")
         self.engine = engine
         self.max_live_requests = max_live_requests
-        self._lock = threading.Lock()  # every engine call happens under it
+        # Every engine call happens under _lock, taken through _locked(). The loop thread holds it for a
+        # whole step and asks for it again at once; a bare Lock is not fair, so a coroutine waiting to add
+        # or abort a request (blocking the event loop, hence every stream) could wait many steps.
+        self._lock = threading.Lock()
+        self._next = threading.Lock()  # whoever holds it takes _lock next
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
@@ -49,6 +54,16 @@ class AsyncLLMEngine:
         self.num_failed_steps = 0
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Take the engine lock in turn: a caller waiting for it goes before the loop's next step."""
+        with self._next:
+            self._lock.acquire()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     @property
     def num_live_requests(self) -> int:
@@ -59,7 +74,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs; raises ValueError for bad input, QueueFullError when full."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
+        with self._locked():
             if self._stopping:
                 raise EngineDeadError("the engine is shutting down")
             if len(self._streams) >= self.max_live_requests:
@@ -82,7 +97,7 @@ class AsyncLLMEngine:
             self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._locked():
             if self._streams.pop(request_id, None) is not None:
                 self.engine.abort_request(request_id)
 
@@ -96,7 +111,7 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         while True:
             self._wake.wait()
-            with self._lock:
+            with self._locked():
                 if self._stopping and not self._streams:
                     return
                 if not self.engine.has_unfinished_requests():
@@ -117,11 +132,11 @@ class AsyncLLMEngine:
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Stop taking requests; let live ones finish for up to ``drain_timeout`` s, then abort the rest."""
-        with self._lock:
+        with self._locked():
             self._stopping = True
         self._wake.set()
         self._thread.join(timeout=drain_timeout)
-        with self._lock:
+        with self._locked():
             live = list(self._streams)
             self.engine.abort_request(live)
             for request_id in live:

@@ -33,6 +33,9 @@ class RequestError(Exception):
         self.code = code
         self.details = details
 
+    def __reduce__(self):  # pickled across Ray workers: rebuild from both fields, not from args alone
+        return type(self), (self.code, self.details)
+
 
 class ServiceCore:
     """The service's logic, shared by the standalone server and the Ray Serve deployment."""

@@ -44,6 +44,31 @@ def tiny_llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_chat(tmp_path_factory):
+    """A 2-layer random Llama with a byte-level tokenizer (258 tokens, no merges) and a ChatML template:
+    text and chat prompts work, as with a real model."""
+    path = tmp_path_factory.mktemp("tiny-llama-chat")
+    tokenizer = _byte_tokenizer()
+    tokenizer.save_pretrained(path)
+    return str(_save_tiny(path, "llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id))
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # one token per byte
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"], chat_template=template)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """A 2-layer random Qwen2 (q/k/v biases, tied embeddings)."""
     return str(_save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie_word_embeddings=True))

@@ -16,21 +16,31 @@ from proto.server import start_server
 
 
 @contextmanager
-def running_server(llm: LLM, model_name: str, max_live_requests: int = 256):
+def serving(llm: LLM, model_name: str, max_live_requests: int = 256):
+    """Serve ``llm`` on 127.0.0.1 (a free port) from a background event loop; yields (port, engine)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     engine = AsyncLLMEngine(llm.engine, max_live_requests=max_live_requests)
     server, port = asyncio.run_coroutine_threadsafe(start_server(engine, model_name, "127.0.0.1", 0), loop).result(30)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield pb_grpc.LookaheadServiceStub(channel), channel, engine
+        yield port, engine
     finally:
-        channel.close()
         asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result(30)
         engine.shutdown()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+@contextmanager
+def running_server(llm: LLM, model_name: str, max_live_requests: int = 256):
+    """``serving`` plus a channel and stub to it; yields (stub, channel, engine)."""
+    with serving(llm, model_name, max_live_requests) as (port, engine):
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        try:
+            yield pb_grpc.LookaheadServiceStub(channel), channel, engine
+        finally:
+            channel.close()
 
 
 @pytest.fixture(scope="module")
