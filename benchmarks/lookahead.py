@@ -77,8 +77,9 @@ def load_prompts(llm: LLM, mt_path: Path, he_path: Path, n: int) -> dict[str, li
     return {"MT-bench": chat, "HumanEval": he}
 
 
-def run(llm: LLM, prompts: list[str], config: LookaheadParams, max_tokens: int, single: bool) -> tuple[list, float]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=config)
+def run(llm: LLM, prompts: list[str], config: LookaheadParams, max_tokens: int, single: bool,
+        seed: int | None = None) -> tuple[list, float]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=config, seed=seed)
     start = time.perf_counter()
     if single:
         outs = [llm.generate(p, params)[0] for p in prompts]
@@ -107,6 +108,32 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def seed_study(llm: LLM, sets: dict[str, list[str]], args: argparse.Namespace) -> str:
+    """Compression ratio on the first 10 prompts (batch mode) for each seed of the window's random start."""
+    lines = [
+        f"\n\nCompression ratio (tokens / steps, first 10 prompts, batch mode) by request seed {args.seeds}; "
+        "the seed only picks the prompt tokens the window starts from.\n\n"
+        "| prompts | (W,N,G) | " + " | ".join(f"seed {s}" for s in args.seeds) + " | mean | min | max | identical to off |",
+        "|---|---|" + "---:|" * (len(args.seeds) + 3) + "---|",
+    ]
+    for name, prompts in sets.items():
+        prompts = prompts[:10]
+        off, _ = run(llm, prompts, OFF, args.max_tokens, False)
+        off_ids = [o.outputs[0].token_ids for o in off]
+        for config in args.configs:
+            ratios, identical = [], True
+            for seed in args.seeds:
+                outs, seconds = run(llm, prompts, config, args.max_tokens, False, seed)
+                identical &= [o.outputs[0].token_ids for o in outs] == off_ids
+                ratios.append(sum(o.metrics.num_output_tokens for o in outs) / sum(o.metrics.num_steps for o in outs))
+                log(f"{name} {config} seed {seed}: {ratios[-1]:.3f} tokens/step, {seconds:.1f} s")
+            label = Row(name, "batch", config, [], [], 0.0).label
+            lines.append(f"| {name} | {label} | " + " | ".join(f"{r:.3f}" for r in ratios)
+                         + f" | {sum(ratios) / len(ratios):.3f} | {min(ratios):.3f} | {max(ratios):.3f} | "
+                         + ("yes" if identical else "**no**") + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mt-bench", type=Path, default=DATA / "mt_bench_questions.jsonl")
@@ -118,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="semicolon-separated W,N,G (default: 15,5,15;7,5,7;5,3,5;4,3,4)")
     ap.add_argument("--modes", default="batch,single", help="batch and/or single (default: %(default)s)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                    help="also run batch mode on the first 10 prompts once per request seed (the window's random "
+                         "start) and report the spread of the compression ratio, e.g. 0,1,2,3,4")
     ap.add_argument("--results", type=Path, help="append a dated Markdown section to this file")
     args = ap.parse_args(argv)
 
@@ -126,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(dtype=args.dtype, max_num_batched_tokens=max(512, budget * args.num_prompts), max_num_seqs=256)
     sets = load_prompts(llm, args.mt_bench, args.humaneval, args.num_prompts)
     rows: list[Row] = []
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):
         for name, prompts in sets.items():
             if mode == "single":
                 prompts = prompts[: args.num_single]
@@ -144,10 +174,12 @@ def main(argv: list[str] | None = None) -> None:
                 row.speedup = (sum(row.tokens) / seconds) / (sum(baseline[1].tokens) / baseline[1].seconds)
                 log(f"  {row.ratio():.3f} tokens/step, {seconds:.1f} s, identical={row.identical}")
                 rows.append(row)
+    seed_rows = seed_study(llm, sets, args) if args.seeds else ""
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
     text = (
         f"Machine: {machine}\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`\n\n"
-        f"Greedy, {args.dtype}, at most {args.max_tokens} new tokens (EOS ends a request), default model.\n\n{table(rows)}"
+        f"Greedy, {args.dtype}, at most {args.max_tokens} new tokens (EOS ends a request), default model.\n\n{table(rows) if rows else ''}"
+        f"{seed_rows}"
     )
     print(text)
     if args.results:

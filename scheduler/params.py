@@ -47,7 +47,8 @@ class SamplingParams:
 
     temperature: 0 means greedy; otherwise logits are divided by it.
     top_p: nucleus sampling, in (0, 1]. top_k: keep the k most likely tokens; 0 or -1 disables it.
-    seed: per-request seed, so a sampled output is reproducible whatever else is in the batch.
+    seed: per-request seed, so a sampled output is reproducible whatever else is in the batch. It also
+        seeds the lookahead window's random start (which changes the steps taken, never the tokens).
     max_tokens: most tokens to generate. min_tokens: EOS and stop token ids are ignored before this many.
     stop: strings that end generation (not included in the text unless include_stop_str_in_output).
     stop_token_ids: token ids that end generation (the token is kept in token_ids).

@@ -51,7 +51,8 @@ class Scheduler:
         self.config.lookahead.check(la)
         if not la.is_plain:
             request.lookahead = LookaheadState(
-                la.window_size, la.ngram_size, la.verification_set_size, request.prompt_token_ids, request.eos_token_ids
+                la.window_size, la.ngram_size, la.verification_set_size, request.prompt_token_ids, request.eos_token_ids,
+                seed=request.sampling_params.seed or 0,  # the window's random start comes from the request's seed
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
