@@ -157,10 +157,19 @@ class ModelRunner:
                 sampled[i] = [token]
 
         commits: list[tuple[int, int, int]] = []  # (segment, first token index, num tokens from x)
-        for i, seg in enumerate(segs):
-            if seg.lookahead is None:
-                continue
-            verdict, window_outs[i] = self._lookahead(seg, hidden, starts[i])
+        la_segs = [i for i, s in enumerate(segs) if s.lookahead is not None]
+        # One output-layer call for every lookahead segment's rows: it is the step's largest matmul, and
+        # one call per segment costs a fixed overhead each (several ms on a CPU).
+        la_rows = [self._lookahead_rows(segs[i].lookahead, starts[i]) for i in la_segs]
+        la_logits = (
+            self.model.compute_logits(hidden[torch.tensor(list(itertools.chain(*la_rows)), device=self.device)])
+            if la_segs else None
+        )
+        lo = 0
+        for i, rows in zip(la_segs, la_rows, strict=True):
+            seg = segs[i]
+            verdict, window_outs[i] = self._lookahead(seg, la_logits[lo : lo + len(rows)])
+            lo += len(rows)
             sampled[i] = verdict.tokens
             commits.append((i, verdict.candidate, verdict.num_matched))
         if commits:
@@ -171,15 +180,21 @@ class ModelRunner:
             lookahead_outputs=window_outs if has_lookahead else None,
         )
 
-    def _lookahead(self, seg: ScheduledRequest, hidden: torch.Tensor, lo: int) -> tuple[Verdict, list[int]]:
-        """Verify one lookahead segment; also return the model's argmax at its newest window level."""
+    @staticmethod
+    def _lookahead_rows(lay: LookaheadLayout, lo: int) -> list[int]:
+        """Rows of the step whose logits a lookahead segment needs: x, the newest level, the candidates."""
+        top = lay.level_start(lay.num_levels - 1)
+        cand_lo = lay.num_window_tokens
+        return ([lo] + list(range(lo + top, lo + top + lay.num_last_level))
+                + list(range(lo + cand_lo, lo + cand_lo + lay.num_candidates * lay.candidate_len)))
+
+    def _lookahead(self, seg: ScheduledRequest, logits: torch.Tensor) -> tuple[Verdict, list[int]]:
+        """Verify one lookahead segment from the logits at its rows (``_lookahead_rows``); also return the
+        model's argmax at its newest window level."""
         lay = seg.lookahead
         assert lay is not None
-        top = lay.level_start(lay.num_levels - 1)
         g, m = lay.num_candidates, lay.candidate_len
         cand_lo = lay.num_window_tokens
-        rows = [lo] + list(range(lo + top, lo + top + lay.num_last_level)) + list(range(lo + cand_lo, lo + cand_lo + g * m))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         argmax = logits.argmax(dim=-1).tolist()
         window = argmax[1 : 1 + lay.num_last_level]
         toks = seg.token_ids[cand_lo:]
@@ -188,7 +203,7 @@ class ModelRunner:
             cand_arg = argmax[1 + lay.num_last_level :]
             verdict = verify_greedy(argmax[0], candidates, [cand_arg[j * m : (j + 1) * m] for j in range(g)])
         else:
-            pick = [0] + list(range(1 + lay.num_last_level, len(rows)))
+            pick = [0] + list(range(1 + lay.num_last_level, logits.shape[0]))
             n = len(pick)
             probs = processed_probs(
                 logits[pick],
