@@ -28,7 +28,7 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -134,6 +134,77 @@ def seed_study(llm: LLM, sets: dict[str, list[str]], args: argparse.Namespace) -
     return "\n".join(lines)
 
 
+def _prefix_match(a: list[int], b: list[int]) -> float:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), len(b), 1)
+
+
+def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> str:
+    """Adaptive vs lookahead off vs fixed configs at each concurrency, one engine per policy, one run."""
+    budget = args.max_step_tokens
+    fixed = LLM(dtype=args.dtype, max_num_batched_tokens=budget, max_num_seqs=256)
+    log("profiling the step cost for the adaptive engine ...")
+    adaptive = LLM(dtype=args.dtype, max_num_batched_tokens=budget, max_num_seqs=256, lookahead_policy="adaptive")
+    cost = adaptive.engine.scheduler.cost_model
+    profile = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in zip(cost.knots, cost.seconds))
+    modes = [("off", fixed, OFF)] + [(Row("", "", c, [], [], 0).label, fixed, c) for c in args.fixed] + [
+        (f"adaptive (max {Row('', '', args.adaptive_max, [], [], 0).label[1:-1]})", adaptive, args.adaptive_max)]
+    lines = [
+        f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max(2, c) prompts of each set "
+        f"at concurrency c (max_num_seqs = c), token budget {budget} per step. Fixed configs whose c x step tokens "
+        f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). Step-cost profile of the adaptive engine "
+        f"(tokens: ms): {profile}; {cost.per_segment * 1e3:.2f} ms per looped segment, "
+        f"{cost.per_decode * 1e3:.2f} ms per plain decode.\n",
+        "| prompts | c | mode | requests | tokens | steps | tokens/step | wall s | tok/s | vs off | vs best other | "
+        "step-time model error | identical to off | mean matching prefix |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, all_prompts in sets.items():
+        for c in args.concurrency:
+            prompts = all_prompts[: max(2, c)]
+            results = []
+            for label, llm, config in modes:
+                if not config.is_plain and llm is fixed and c * step_tokens(
+                        config.window_size, config.ngram_size, config.verification_set_size) > args.max_fixed_step_tokens:
+                    results.append((label, None))
+                    continue
+                eng = llm.engine
+                eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c)
+                before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
+                log(f"{name} c={c} {label} on {len(prompts)} prompts ...")
+                outs, seconds = run(llm, prompts, config, args.max_tokens, False)
+                err = None
+                if eng.scheduler.cost_model is not None:
+                    d_err = eng.step_abs_error_seconds_total - before[0]
+                    d_sec = eng.step_seconds_total - before[1]
+                    err = d_err / d_sec if d_sec else None
+                toks = sum(o.metrics.num_output_tokens for o in outs)
+                steps = sum(o.metrics.num_steps for o in outs)
+                results.append((label, (outs, seconds, toks, steps, err)))
+                log(f"  {toks / steps:.3f} tokens/step, {toks / seconds:.1f} tok/s")
+            off_outs, off_s, off_t, _, _ = results[0][1]
+            off_ids = [o.outputs[0].token_ids for o in off_outs]
+            rates = {lab: r[2] / r[1] for lab, r in results if r is not None}
+            for lab, r in results:
+                if r is None:
+                    lines.append(f"| {name} | {c} | {lab} | {len(prompts)} | skipped | | | | | | | | | |")
+                    continue
+                outs, seconds, toks, steps, err = r
+                ids = [o.outputs[0].token_ids for o in outs]
+                best_other = max(v for k, v in rates.items() if k != lab)
+                same = sum(a == b for a, b in zip(ids, off_ids))
+                match = sum(_prefix_match(a, b) for a, b in zip(ids, off_ids)) / len(ids)
+                lines.append(
+                    f"| {name} | {c} | {lab} | {len(prompts)} | {toks} | {steps} | {toks / steps:.3f} | {seconds:.1f} | "
+                    f"{rates[lab]:.1f} | {rates[lab] / rates['off']:.2f}x | {rates[lab] / best_other:.2f}x | "
+                    f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)} | {match * 100:.1f}% |"
+                )
+    chosen = ", ".join(f"{k}: {v}" for k, v in adaptive.engine.lookahead_chosen.most_common(8))
+    lines.append(f"\nAdaptive engine, lookahead segments run by (w,n,g), most common first: {chosen or 'none'}; "
+                 f"{adaptive.engine.num_steps} steps in all.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mt-bench", type=Path, default=DATA / "mt_bench_questions.jsonl")
@@ -148,8 +219,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",")], default=[],
                     help="also run batch mode on the first 10 prompts once per request seed (the window's random "
                          "start) and report the spread of the compression ratio, e.g. 0,1,2,3,4")
+    ap.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[],
+                    help="run the scheduling study at these concurrencies, e.g. 1,4,16,32: adaptive vs off vs --fixed")
+    ap.add_argument("--fixed", type=parse_configs, default=parse_configs("15,5,15;4,3,4"),
+                    help="fixed configs of the concurrency study (default: 15,5,15;4,3,4)")
+    ap.add_argument("--adaptive-max", type=lambda t: parse_configs(t)[0], default=LookaheadParams(15, 5, 15),
+                    help="every request's maximum (W,N,G) under the adaptive policy (default: 15,5,15)")
+    ap.add_argument("--max-step-tokens", type=int, default=4096, help="token budget per step in the study")
+    ap.add_argument("--max-fixed-step-tokens", type=int, default=1024,
+                    help="skip a fixed config at a concurrency whose full steps exceed this many tokens (time)")
     ap.add_argument("--results", type=Path, help="append a dated Markdown section to this file")
     args = ap.parse_args(argv)
+    if args.concurrency:
+        llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)
+        sets = load_prompts(llm0, args.mt_bench, args.humaneval, max(args.concurrency + [2]))
+        del llm0
+        text = (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                f"{torch.get_num_threads()} threads\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`"
+                + concurrency_study(args, sets))
+        print(text)
+        if args.results:
+            with open(args.results, "a") as f:
+                f.write(f"\n## Lookahead scheduling, {datetime.date.today()}\n\n{text}\n")
+        return
 
     budget = max(step_tokens(c.window_size, c.ngram_size, c.verification_set_size) for c in args.configs)
     # Room for every request's largest lookahead segment at once: no request falls back for lack of budget.

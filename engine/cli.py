@@ -14,6 +14,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token cap (default: the model's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size (default: %(default)s)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa"],
+                   help="auto = sdpa on CPU; torch = the log-sum-exp split reference (default: %(default)s)")
+    p.add_argument("--lookahead-policy", default="fixed", choices=["fixed", "adaptive"],
+                   help="fixed: every request runs its (W,N,G); adaptive: each step picks (w,n,g) up to it from a "
+                        "step-cost model profiled at start-up (default: %(default)s)")
+    p.add_argument("--log-schedule", action="store_true",
+                   help="log every step's tokens, chosen (w,n,g) and predicted vs observed time")
 
 
 def _lookahead(text: str):
@@ -63,8 +70,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _engine_from_args(args: argparse.Namespace):
     from engine import LLM
 
+    if args.log_schedule:
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("engine.schedule").setLevel(logging.INFO)
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-               kv_cache_memory_gib=args.kv_cache_memory_gib)
+               kv_cache_memory_gib=args.kv_cache_memory_gib, attention_backend=args.attention_backend,
+               lookahead_policy=args.lookahead_policy, log_schedule=args.log_schedule)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 class ModelConfig:
     """model: None for the embedded default (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file.
     dtype: "auto" is float32 on CPU and bfloat16 on GPU. max_model_len: None takes the model's own limit.
+    attention_backend: "auto" picks by device (engine.attention), or name one.
     """
 
     model: str | None = None
@@ -29,12 +30,17 @@ class ModelConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     seed: int = 0
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
+        from engine.attention import BACKENDS
+
+        if self.attention_backend != "auto" and self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be auto or one of {sorted(BACKENDS)}, got {self.attention_backend!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -16,6 +16,9 @@ class LLM:
     model: None for the embedded SmolLM2-135M-Instruct, else a Hugging Face folder or a .gguf file.
     lookahead: the engine's default for requests whose SamplingParams.lookahead is None;
     max_lookahead: the largest (window_size, ngram_size, verification_set_size) a request may ask for.
+    lookahead_policy: "fixed" runs each request's (W, N, G) as asked; "adaptive" treats it as the request's
+    maximum and chooses (w, n, g) each step from a step-cost model (step_cost_model, else measured at
+    start-up) and each request's acceptance. log_schedule: log each step's decisions.
     Other keyword arguments fill the config tree (ModelConfig, CacheConfig, SchedulerConfig).
     """
 
@@ -26,6 +29,7 @@ class LLM:
         dtype: str = "auto",
         device: str = "cpu",
         seed: int = 0,
+        attention_backend: str = "auto",
         max_model_len: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -35,10 +39,14 @@ class LLM:
         max_num_seqs: int = 64,
         lookahead: LookaheadParams = DEFAULT_LOOKAHEAD,
         max_lookahead: tuple[int, int, int] = (16, 8, 16),
+        lookahead_policy: str = "fixed",
+        step_cost_model=None,
+        log_schedule: bool = False,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
-                model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len),
+                model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+                                  attention_backend=attention_backend),
                 cache=CacheConfig(
                     block_size=block_size,
                     num_blocks=num_kv_blocks,
@@ -49,8 +57,11 @@ class LLM:
                     max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs,
                     lookahead=LookaheadConfig(lookahead, *max_lookahead),
+                    lookahead_policy=lookahead_policy,
                 ),
-            )
+            ),
+            cost_model=step_cost_model,
+            log_schedule=log_schedule,
         )
         self.tokenizer = self.engine.tokenizer
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -17,10 +18,13 @@ from engine.loader import load_hf_config, load_state_dict, load_tokenizer, resol
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.step_profile import profile_step_cost
 from kv_cache import KVCacheManager
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from scheduler.cost import StepCostModel
 
 logger = logging.getLogger(__name__)
+schedule_logger = logging.getLogger("engine.schedule")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,8 +40,16 @@ class _Tracked:
     sent_text: str = ""
 
 
+def lookahead_label(p) -> str:
+    return f"{p.window_size},{p.ngram_size},{p.verification_set_size}"
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """cost_model: the step-cost model for the adaptive lookahead policy; None measures one at start-up
+    (only when the policy is adaptive). log_schedule: log every step's tokens, chosen (w, n, g) and
+    predicted vs observed time at INFO (logger ``engine.schedule``)."""
+
+    def __init__(self, config: EngineConfig, cost_model: StepCostModel | None = None, log_schedule: bool = False) -> None:
         self.config = config
         mc = config.model
         start = time.perf_counter()
@@ -55,7 +67,7 @@ class LLMEngine:
 
         torch.manual_seed(mc.seed)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-            model = LlamaForCausalLM(self.hf_config, get_backend("auto", mc.device), max_model_len)
+            model = LlamaForCausalLM(self.hf_config, get_backend(mc.attention_backend, mc.device), max_model_len)
         model = model.to_empty(device=self.device)
         model.load_weights(load_state_dict(self.model_path))
         self.model = model.to(dtype=self.dtype).eval()
@@ -65,8 +77,18 @@ class LLMEngine:
             1, int(cc.kv_cache_memory_gib * (1 << 30)) // kv_bytes_per_block(self.hf_config, cc.block_size, self.dtype)
         )
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(sched_cfg, self.kv_manager)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype, mc.seed)
+        if cost_model is None and sched_cfg.lookahead_policy == "adaptive":
+            cost_model = profile_step_cost(self.runner, sched_cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(sched_cfg, self.kv_manager, cost_model)
+        self.log_schedule = log_schedule
+        self.lookahead_chosen: Counter[str] = Counter()  # (w,n,g) label -> lookahead segments run
+        self.step_tokens_total = 0
+        self.step_seconds_total = 0.0
+        self.step_predicted_seconds_total = 0.0  # over the steps the cost model predicted
+        self.step_abs_error_seconds_total = 0.0
+        self.last_step_seconds = 0.0
+        self.last_predicted_seconds: float | None = None
         self.eos_token_ids = self._eos_ids()
         self._tracked: dict[str, _Tracked] = {}
         self._next_id = 0
@@ -144,8 +166,20 @@ class LLMEngine:
             if not outputs and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return outputs
+        t0 = time.perf_counter()
         runner_out = self.runner.execute(sched_out)
+        self.last_step_seconds = time.perf_counter() - t0
+        self.last_predicted_seconds = self.scheduler.observe_step(self.last_step_seconds)
         self.num_steps += 1
+        self.step_tokens_total += sched_out.num_scheduled_tokens
+        self.step_seconds_total += self.last_step_seconds
+        if self.last_predicted_seconds is not None:
+            self.step_predicted_seconds_total += self.last_predicted_seconds
+            self.step_abs_error_seconds_total += abs(self.last_predicted_seconds - self.last_step_seconds)
+        chosen = [lookahead_label(p) for p in self.scheduler.last_lookahead]
+        self.lookahead_chosen.update(chosen)
+        if self.log_schedule:
+            self._log_step(sched_out, chosen)
         for req in self.scheduler.update_from_output(sched_out, runner_out):
             tracked = self._tracked[req.request_id]
             tracked.detok.update(req.output_token_ids, req.status.finished)
@@ -157,6 +191,18 @@ class LLMEngine:
             if req.status.finished:
                 del self._tracked[req.request_id]
         return outputs
+
+    def _log_step(self, sched_out, chosen: list[str]) -> None:
+        segs = sched_out.scheduled
+        n_prefill = sum(len(s.token_ids) > 1 and s.lookahead is None for s in segs)
+        n_plain = sum(len(s.token_ids) == 1 for s in segs)
+        configs = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(chosen).items())) or "-"
+        predicted = "-" if self.last_predicted_seconds is None else f"{self.last_predicted_seconds * 1e3:.1f}"
+        schedule_logger.info(
+            "step %d: %d tokens (%d prefill chunks, %d plain decodes, %d lookahead: %s); predicted %s ms, observed %.1f ms",
+            self.num_steps, sched_out.num_scheduled_tokens, n_prefill, n_plain, len(chosen), configs, predicted,
+            self.last_step_seconds * 1e3,
+        )
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         req = tracked.request

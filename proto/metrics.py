@@ -3,11 +3,37 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ScheduleCollector(Collector):
+    """The lookahead scheduler's decisions, read from the engine's running totals at each scrape."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        yield CounterMetricFamily("lookahead_engine_steps", "Engine steps (forward passes)", value=e.num_steps)
+        yield CounterMetricFamily("lookahead_engine_step_tokens", "Tokens in engine steps, summed", value=e.step_tokens_total)
+        yield CounterMetricFamily("lookahead_engine_step_seconds", "Observed engine step time, summed",
+                                  value=e.step_seconds_total)
+        yield CounterMetricFamily("lookahead_engine_step_predicted_seconds",
+                                  "Step time the step-cost model predicted, summed", value=e.step_predicted_seconds_total)
+        yield CounterMetricFamily("lookahead_engine_step_abs_error_seconds",
+                                  "|predicted - observed| step time, summed", value=e.step_abs_error_seconds_total)
+        chosen = CounterMetricFamily("lookahead_segments", "Lookahead segments run, by (w, n, g)", labels=["config"])
+        for label, n in sorted(e.lookahead_chosen.items()):
+            chosen.add_metric([label], n)
+        yield chosen
+        yield GaugeMetricFamily("lookahead_engine_last_step_seconds", "Observed time of the latest step",
+                                value=e.last_step_seconds)
 
 
 class ServerMetrics:
@@ -23,6 +49,7 @@ class ServerMetrics:
         self.steps = Counter("lookahead_decoding_steps", "Decoding steps summed over requests", registry=r)
         self.accepted = Counter("lookahead_accepted_draft_tokens", "Tokens beyond one per step from lookahead",
                                 registry=r)
+        r.register(ScheduleCollector(engine))
         kv = engine.kv_manager
         Gauge("lookahead_kv_blocks_free", "Free KV blocks", registry=r).set_function(lambda: kv.num_free_blocks)
         Gauge("lookahead_kv_blocks_used", "Used KV blocks", registry=r).set_function(

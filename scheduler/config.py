@@ -49,8 +49,17 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the engine fills in the model's limit
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    # "fixed": every lookahead request runs its own (W, N, G) when the budget has room; "adaptive": each
+    # step chooses (w, n, g) up to that per request, for the most accepted tokens per second (scheduler.policy)
+    lookahead_policy: str = "fixed"
+    # adaptive: every so many steps, one lookahead upgrade runs even if predicted not to pay (0 = never)
+    lookahead_explore_every: int = 16
 
     def __post_init__(self) -> None:
+        if self.lookahead_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"lookahead_policy must be 'fixed' or 'adaptive', got {self.lookahead_policy!r}")
+        if not isinstance(self.lookahead_explore_every, int) or self.lookahead_explore_every < 0:
+            raise ValueError(f"lookahead_explore_every must be a non-negative int, got {self.lookahead_explore_every!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is None and name == "max_model_len":

@@ -93,7 +93,11 @@ def step_tokens(window_size: int, ngram_size: int, num_candidates: int) -> int:
 
 
 class NGramPool:
-    """N-grams keyed by their first token, at most ``cap`` per key, least recently seen dropped first."""
+    """N-grams keyed by their first token, at most ``cap`` per key, least recently seen dropped first.
+
+    ``ngram_size`` is the longest n-gram kept; shorter ones (from a window run at a smaller n) are kept
+    too, and a lookup asks for continuations of one length: longer ones are cut to it.
+    """
 
     def __init__(self, ngram_size: int, cap: int) -> None:
         self.ngram_size = ngram_size
@@ -101,7 +105,7 @@ class NGramPool:
         self._pool: dict[int, OrderedDict[tuple[int, ...], None]] = {}
 
     def add(self, ngram: Sequence[int]) -> None:
-        if len(ngram) != self.ngram_size or self.cap <= 0:
+        if not 2 <= len(ngram) <= self.ngram_size or self.cap <= 0:
             return
         entries = self._pool.setdefault(ngram[0], OrderedDict())
         tail = tuple(ngram[1:])
@@ -118,16 +122,22 @@ class NGramPool:
         for i in range(len(tokens) - n + 1):
             self.add(tokens[i : i + n])
 
-    def lookup(self, key: int, limit: int) -> list[tuple[int, ...]]:
-        """Up to ``limit`` continuations (N-1 tokens each) of ``key``, most recent first."""
+    def lookup(self, key: int, limit: int, length: int | None = None) -> list[tuple[int, ...]]:
+        """Up to ``limit`` distinct continuations of ``key``, ``length`` tokens each (default N-1), most
+        recent first."""
         entries = self._pool.get(key)
         if not entries or limit <= 0:
             return []
-        out = []
+        length = self.ngram_size - 1 if length is None else length
+        out: list[tuple[int, ...]] = []
         for tail in reversed(entries):
-            out.append(tail)
-            if len(out) == limit:
-                break
+            if len(tail) < length:
+                continue
+            cut = tail[:length]
+            if cut not in out:
+                out.append(cut)
+                if len(out) == limit:
+                    break
         return out
 
     def __len__(self) -> int:
@@ -135,16 +145,23 @@ class NGramPool:
 
 
 class LookaheadState:
-    """The window and pool of one request, advanced once per lookahead step."""
+    """The window and pool of one request, advanced once per lookahead step.
+
+    ``window_size`` and ``ngram_size`` are what the window runs now; ``resize`` changes them between
+    steps (the lookahead scheduler does, up to the request's maximum), and the pool keeps n-grams up to
+    the largest n the request may use.
+    """
 
     def __init__(
-        self, window_size: int, ngram_size: int, pool_cap: int, prompt: Sequence[int], eos_ids: frozenset[int], seed: int = 0
+        self, window_size: int, ngram_size: int, pool_cap: int, prompt: Sequence[int], eos_ids: frozenset[int],
+        seed: int = 0, max_ngram_size: int | None = None,
     ) -> None:
         if window_size < 2 or ngram_size < 3:
             raise ValueError(f"lookahead needs window_size >= 2 and ngram_size >= 3, got ({window_size}, {ngram_size})")
+        max_ngram_size = max(ngram_size, max_ngram_size or 0)
         self.window_size = window_size
         self.ngram_size = ngram_size
-        self.pool = NGramPool(ngram_size, pool_cap)
+        self.pool = NGramPool(max_ngram_size, pool_cap)
         self.pool.add_sequence(prompt)
         self._rng = random.Random(seed)
         self._filler = [t for t in prompt if t not in eos_ids] or list(prompt)
@@ -152,7 +169,33 @@ class LookaheadState:
         first = [self._rng.choice(self._filler) for _ in range(window_size + ngram_size - 3)]
         self.levels: list[list[int]] = [first]  # level 0 holds columns 1..C-1
         self.num_pool_hits = 0
-        self._tail = list(prompt[-(ngram_size - 1) :])
+        self._tail = list(prompt[-(max_ngram_size - 1) :])
+
+    def shape_after_resize(self, window_size: int, ngram_size: int) -> tuple[int, int]:
+        """(levels, columns) the window would have after ``resize(window_size, ngram_size)``."""
+        num_levels = min(len(self.levels), ngram_size - 1)
+        return num_levels, window_size + (ngram_size - 1) - num_levels
+
+    def resize(self, window_size: int, ngram_size: int) -> None:
+        """Run the window at (window_size, ngram_size) from the next step on.
+
+        Levels above n-1 are dropped; every level is cut to, or padded with prompt tokens to, the columns
+        it needs (W columns once warm; during warm-up one more per level still to come, as at the start).
+        A window with fewer levels than n-1 grows them by warming up again. Every token of the window is
+        a guess, so any reshaping is lossless: it only changes what the window finds next.
+        """
+        if window_size < 2 or not 3 <= ngram_size <= self.pool.ngram_size:
+            raise ValueError(
+                f"resize needs window_size >= 2 and 3 <= ngram_size <= {self.pool.ngram_size}, got ({window_size}, {ngram_size})"
+            )
+        if (window_size, ngram_size) == (self.window_size, self.ngram_size):
+            return
+        num_levels, cols = self.shape_after_resize(window_size, ngram_size)
+        self.levels = [self._fit(lvl, cols - 1 if i == 0 else cols) for i, lvl in enumerate(self.levels[:num_levels])]
+        self.window_size, self.ngram_size = window_size, ngram_size
+
+    def _fit(self, level: list[int], width: int) -> list[int]:
+        return level[:width] + [self._rng.choice(self._filler) for _ in range(width - len(level))]
 
     @property
     def num_cols(self) -> int:
@@ -164,7 +207,7 @@ class LookaheadState:
 
     def plan(self, x: int, max_candidates: int) -> tuple[LookaheadLayout, list[int]]:
         """Layout and token ids of this step's segment (x, window levels, candidates)."""
-        candidates = self.pool.lookup(x, max_candidates)
+        candidates = self.pool.lookup(x, max_candidates, self.ngram_size - 1)
         tokens = [x]
         for level in self.levels:
             tokens.extend(level)
@@ -197,7 +240,7 @@ class LookaheadState:
         """Add the n-grams that end in newly accepted output tokens to the pool."""
         seq = self._tail + list(accepted)
         self.pool.add_sequence(seq)
-        self._tail = seq[-(self.ngram_size - 1) :]
+        self._tail = seq[-(self.pool.ngram_size - 1) :]
 
     def _no_eos(self, token: int) -> int:
         return self._rng.choice(self._filler) if token in self._eos_ids else token

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler.lookahead import LookaheadState
+from scheduler.params import LookaheadParams
 from scheduler.params import SamplingParams
 
 
@@ -72,6 +73,8 @@ class Request:
         self.num_steps = 0  # forward passes that produced at least one output token
         self.timing = RequestTiming()
         self.lookahead: LookaheadState | None = None  # set by the scheduler when lookahead is on
+        self.max_lookahead: LookaheadParams | None = None  # the most (W, N, G) it may run
+        self.lookahead_step: LookaheadParams | None = None  # what its latest lookahead segment ran
         self.accepted_lengths: Counter[int] = Counter()  # tokens produced per lookahead step -> steps
 
     @property

@@ -5,6 +5,11 @@ known tokens); every step tops the running requests up from the budget first, ol
 waiting requests in arrival order. When the KV pool cannot hold a running request's next tokens, the
 newest running request is preempted (its blocks freed, to be recomputed later) and the allocation is
 retried.
+
+Lookahead comes last: once prefill chunks and plain decodes hold their place in the budget, the policy
+(``SchedulerConfig.lookahead_policy``, scheduler.policy) picks which decoding requests run a lookahead
+segment this step and at what (w, n, g), from the budget left. A segment's extra KV slots are reserved
+only from free blocks: when they are short the request decodes plainly; lookahead never preempts.
 """
 
 from __future__ import annotations
@@ -16,16 +21,33 @@ from collections.abc import Iterable
 from kv_cache import KVCacheManager
 from scheduler.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.config import SchedulerConfig
+from scheduler.cost import StepCostModel
 from scheduler.lookahead import LookaheadLayout, LookaheadState
+from scheduler.params import LookaheadParams
+from scheduler.policy import AcceptanceModel, AdaptivePolicy, Decision, FixedPolicy, Option, ladder
 from scheduler.request import Request, RequestStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    """cost_model: the step-cost model the adaptive lookahead policy plans with (required for it; the
+    engine measures one at start-up); with either policy, observed step times given to ``observe_step``
+    keep it current and measure its error."""
+
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, cost_model: StepCostModel | None = None
+    ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be set before building a Scheduler")
+        if config.lookahead_policy == "adaptive" and cost_model is None:
+            raise ValueError("the adaptive lookahead policy needs a step-cost model")
         self.config = config
         self.kv = kv_manager
+        self.cost_model = cost_model
+        self.policy = (AdaptivePolicy(cost_model, config.lookahead_explore_every)
+                       if config.lookahead_policy == "adaptive" else FixedPolicy())
+        self._acceptance: dict[str, AcceptanceModel] = {}
+        self.last_decision: Decision | None = None
+        self.last_lookahead: list[LookaheadParams] = []  # the (w, n, g) each lookahead segment ran last step
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -54,6 +76,8 @@ class Scheduler:
                 la.window_size, la.ngram_size, la.verification_set_size, request.prompt_token_ids, request.eos_token_ids,
                 seed=request.sampling_params.seed or 0,  # the window's random start comes from the request's seed
             )
+            request.max_lookahead = la
+            self._acceptance[request.request_id] = AcceptanceModel()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -95,13 +119,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            plan = self._plan_lookahead(req, budget) if num_new == 1 else None
-            # A lookahead step commits x plus at most candidate_len accepted tokens.
-            num_reserved = 1 + plan[0].candidate_len if plan and plan[0].num_candidates else num_new
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_reserved) is None:
-                if plan is not None:  # first give up the lookahead reservation, then preempt
-                    plan, num_reserved = None, num_new
-                    continue
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new) is None:
                 if i == 0 and len(self.running) == 1:
                     # Alone and still out of blocks: the request has outgrown the whole cache.
                     self._finish(req, RequestStatus.FINISHED_LENGTH)
@@ -114,12 +132,8 @@ class Scheduler:
                     break
             else:
                 assert req is not None
-                if plan is None:
-                    scheduled.append(self._segment(req, num_new))
-                    budget -= num_new
-                else:
-                    scheduled.append(self._segment(req, 1, plan))
-                    budget -= plan[0].num_tokens
+                scheduled.append(self._segment(req, num_new))
+                budget -= num_new
                 i += 1
                 continue
             break
@@ -139,6 +153,7 @@ class Scheduler:
             scheduled.append(self._segment(req, num_new))
             budget -= num_new
 
+        budget -= self._schedule_lookahead(scheduled, budget)
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -162,10 +177,12 @@ class Scheduler:
                 req.accepted_lengths[len(sampled)] += 1
                 if seg.lookahead.num_candidates:
                     req.lookahead.num_pool_hits += 1
+                self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled))
             else:
                 req.num_computed_tokens += len(seg.token_ids)
                 if sampled and req.lookahead is not None:
                     req.lookahead.add_output(sampled)
+                    self._acceptance[req.request_id].observe(None, 1)
             if sampled:
                 req.num_steps += 1
                 if req.timing.first_token is None:
@@ -182,17 +199,80 @@ class Scheduler:
         return updated
 
     # ---- internals -----------------------------------------------------------------------------
-    def _plan_lookahead(self, req: Request, budget: int) -> tuple[LookaheadLayout, list[int]] | None:
-        """The request's lookahead segment for this step, or None to decode plainly."""
+    def _schedule_lookahead(self, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Turn chosen plain decodes into lookahead segments in place; return the tokens added."""
+        cands: list[tuple[int, Request, list[Option]]] = []
+        num_tokens = num_segments = num_yield = num_decodes = 0
+        for k, seg in enumerate(scheduled):
+            n = len(seg.token_ids)
+            num_tokens += n
+            num_segments += n > 1
+            num_decodes += n == 1
+            num_yield += seg.sample
+            req = self.requests[seg.req_id]
+            if n == 1 and seg.sample and req.lookahead is not None:
+                opts = self._options(req)
+                if opts:
+                    cands.append((k, req, opts))
+        self.last_lookahead = []
+        if not cands:
+            predicted = self.cost_model.predict(num_tokens, num_segments, num_decodes) if self.cost_model else 0.0
+            self.last_decision = Decision([], num_tokens, num_segments, num_yield, predicted, num_decodes)
+            return 0
+        decision = self.policy.choose([c[2] for c in cands], num_tokens, num_segments, num_yield, budget, num_decodes)
+        added = 0
+        for (k, req, opts), choice in zip(cands, decision.choices, strict=True):
+            if choice is None:
+                continue
+            params = opts[choice].params
+            state = req.lookahead
+            assert state is not None
+            state.resize(params.window_size, params.ngram_size)
+            layout, tokens = state.plan(req.all_token_ids[-1], params.verification_set_size)
+            # A lookahead step commits x plus at most candidate_len accepted tokens; plain if blocks are short.
+            reserve = 1 + layout.candidate_len if layout.num_candidates else 1
+            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + reserve) is None:
+                continue  # decodes plainly after all
+            scheduled[k] = self._segment(req, 1, (layout, tokens))
+            req.lookahead_step = params
+            self.last_lookahead.append(params)
+            added += layout.num_tokens - 1
+        # The step as it will run (a segment whose blocks were short went plain).
+        n_la = len(self.last_lookahead)
+        decision.num_tokens = num_tokens + added
+        decision.num_segments = num_segments + n_la
+        decision.num_decodes = num_decodes - n_la
+        if self.cost_model is not None:
+            decision.predicted_seconds = self.cost_model.predict(
+                decision.num_tokens, decision.num_segments, decision.num_decodes)
+        self.last_decision = decision
+        return added
+
+    def _options(self, req: Request) -> list[Option]:
+        """The rungs of the request's ladder it can run this step, with their tokens and expected gain."""
         state = req.lookahead
-        if state is None:
+        assert state is not None and req.max_lookahead is not None
+        x = req.all_token_ids[-1]
+        acceptance = self._acceptance[req.request_id]
+        num_found: dict[int, int] = {}
+        opts = []
+        for p in ladder(req.max_lookahead):
+            n = p.ngram_size
+            if n not in num_found:
+                num_found[n] = len(state.pool.lookup(x, req.max_lookahead.verification_set_size, n - 1))
+            levels, cols = state.shape_after_resize(p.window_size, n)
+            if req.num_computed_tokens + max(levels + cols - 2, n - 1) >= self.config.max_model_len:
+                continue  # the window would reach past the model's positions
+            num_tokens = levels * cols + min(p.verification_set_size, num_found[n]) * (n - 1)
+            opts.append(Option(p, num_tokens, acceptance.expected_extra(p)))
+        return opts
+
+    def observe_step(self, seconds: float) -> float | None:
+        """The last scheduled step took ``seconds`` to run: correct the cost model; return its prediction."""
+        d = self.last_decision
+        if self.cost_model is None or d is None:
             return None
-        max_candidates = state.pool.cap
-        layout, tokens = state.plan(req.all_token_ids[-1], max_candidates)
-        furthest = req.num_computed_tokens + max(layout.num_levels + layout.num_cols - 2, layout.candidate_len)
-        if layout.num_tokens > budget or furthest >= self.config.max_model_len:
-            return None
-        return layout, tokens
+        return self.cost_model.observe(d.num_tokens, d.num_segments, seconds, d.num_decodes)
 
     def _segment(
         self, req: Request, num_new: int, plan: tuple[LookaheadLayout, list[int]] | None = None
@@ -241,4 +321,5 @@ class Scheduler:
         req.timing.finished = time.monotonic()
         self.kv.free(req.request_id)
         del self.requests[req.request_id]
+        self._acceptance.pop(req.request_id, None)
         self._finished_since_step.append(req.request_id)

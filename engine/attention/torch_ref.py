@@ -35,9 +35,6 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[1]
-        group = num_heads // num_kv_heads
         if meta.write_all:
             kv_cache[0].index_copy_(0, meta.slot_mapping, k)
             kv_cache[1].index_copy_(0, meta.slot_mapping, v)
@@ -58,21 +55,28 @@ class TorchReferenceBackend(AttentionBackend):
 
         for s in meta.other_segs:
             lo, hi = meta.query_start_loc[s], meta.query_start_loc[s + 1]
-            n = hi - lo
             tree = meta.seg_masks[s]
             prefix = meta.prefix_slots[s]
             if tree is None:
                 out[lo:hi] = self._chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, prefix, scale)
                 continue
-            qs = q[lo:hi].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]
-            o, lse = attend_with_lse(qs, k[lo:hi].transpose(0, 1), v[lo:hi].transpose(0, 1), tree, scale)
-            if prefix is not None:
-                kp = kv_cache[0][prefix].transpose(0, 1)  # [kvh, ctx, d]
-                vp = kv_cache[1][prefix].transpose(0, 1)
-                po, plse = attend_with_lse(qs, kp, vp, None, scale)
-                o = merge_attention(po, plse, o, lse)
-            out[lo:hi] = o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+            out[lo:hi] = self._lookahead(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, prefix, tree, scale)
         return out
+
+    @staticmethod
+    def _lookahead(q, k, v, kv_cache, prefix: torch.Tensor | None, tree: torch.Tensor, scale: float) -> torch.Tensor:
+        """A transient segment of n tokens: its cached prefix without a mask and itself under the tree mask,
+        each with its log-sum-exp, merged exactly."""
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        qs = q.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [kvh, g, n, d]
+        o, lse = attend_with_lse(qs, k.transpose(0, 1), v.transpose(0, 1), tree, scale)
+        if prefix is not None:
+            kp = kv_cache[0][prefix].transpose(0, 1)  # [kvh, ctx, d]
+            vp = kv_cache[1][prefix].transpose(0, 1)
+            po, plse = attend_with_lse(qs, kp, vp, None, scale)
+            o = merge_attention(po, plse, o, lse)
+        return o.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
 
     @staticmethod
     def _chunk(q, k, v, kv_cache, prefix: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import TorchReferenceBackend
+from engine.attention import BACKENDS
 from engine.model_runner import build_step_inputs, tree_layout
 from scheduler import ScheduledRequest
 from scheduler.lookahead import LookaheadLayout
@@ -25,8 +25,9 @@ def _oracle(q, k, v, mask, scale):
     return torch.einsum("hnm,mhd->nhd", torch.softmax(scores, dim=-1), v)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("seed", range(3))
-def test_split_attention_equals_dense_oracle(seed):
+def test_split_attention_equals_dense_oracle(seed, backend):
     gen = torch.Generator().manual_seed(seed)
     la = LookaheadLayout(num_levels=3, num_cols=4, num_candidates=2, candidate_len=3)
     warm = LookaheadLayout(num_levels=1, num_cols=6, num_candidates=0, candidate_len=3)
@@ -54,7 +55,7 @@ def test_split_attention_equals_dense_oracle(seed):
     k = torch.randn(t, KV_HEADS, DIM, generator=gen)
     v = torch.randn(t, KV_HEADS, DIM, generator=gen)
     scale = DIM**-0.5
-    out = TorchReferenceBackend().forward(q, k, v, cache, inputs.meta, scale)
+    out = BACKENDS[backend]().forward(q, k, v, cache, inputs.meta, scale)
 
     starts = inputs.meta.query_start_loc
     for i, (ctx, n, lay) in enumerate(plan):

@@ -176,3 +176,94 @@ def test_default_model_lookahead_equals_plain_equals_hf(default_model_path):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, lookahead=la))
         assert [o.outputs[0].token_ids for o in outs] == expected, la
     assert max(o.metrics.tokens_per_step for o in outs) > 1.2
+
+
+# ---- lookahead scheduling: whatever the policy picks, the tokens are plain greedy's ----------------------
+
+
+class _RandomRungs:
+    """A policy that gives every request a random rung of its ladder (or plain decoding) each step."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None):
+        from scheduler.policy import Decision
+
+        choices, tokens = [], base_tokens
+        for opts in options:
+            c = self.rng.randrange(-1, len(opts))
+            if c >= 0 and tokens + opts[c].num_tokens - 1 - base_tokens <= budget:
+                choices.append(c)
+                tokens += opts[c].num_tokens - 1
+            else:
+                choices.append(None)
+        return Decision(choices, tokens, 0, 0.0, 0.0)
+
+
+def test_changing_lookahead_shape_every_step_stays_lossless(tiny_llama):
+    prompts = _repetitive_prompts(16, 96, seed=5)
+    max_tokens = 40
+    expected = hf_greedy(tiny_llama, prompts, max_tokens)
+    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=48, max_num_batched_tokens=512, max_num_seqs=16,
+              lookahead=LookaheadParams(15, 5, 15))
+    llm.engine.scheduler.policy = _RandomRungs(0)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=None if i % 4 else PLAIN) for i in range(16)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert len(llm.engine.lookahead_chosen) >= 5  # many (w, n, g) shapes really ran
+    assert {lab.split(",")[1] for lab in llm.engine.lookahead_chosen} >= {"3", "4", "5"}  # n changed too
+    assert llm.engine.kv_manager.num_free_blocks == 48
+
+
+@pytest.mark.parametrize("cost", ["profiled", "memory-bound", "compute-bound"])
+def test_adaptive_policy_is_lossless(tiny_llama, cost):
+    from scheduler.cost import StepCostModel
+
+    model = {"profiled": None,
+             "memory-bound": StepCostModel([1, 4096], [0.01, 0.01], learning_rate=0.0),
+             "compute-bound": StepCostModel([1, 4096], [0.001, 4.096], learning_rate=0.0)}[cost]
+    prompts = _repetitive_prompts(16, 96, seed=6)
+    expected = hf_greedy(tiny_llama, prompts, 32)
+    llm = LLM(tiny_llama, block_size=8, max_num_batched_tokens=2048, lookahead=LookaheadParams(7, 5, 7),
+              lookahead_policy="adaptive", step_cost_model=model)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    ran = sum(llm.engine.lookahead_chosen.values())
+    if cost == "memory-bound":
+        assert llm.engine.lookahead_chosen["7,5,7"] > 0 and max(o.metrics.tokens_per_step for o in outs) > 1.5
+    if cost == "compute-bound":  # only the policy's exploration: one segment every 16th step at most
+        assert ran <= llm.engine.num_steps // 16 + 1
+    assert llm.engine.scheduler.cost_model.num_observed == llm.engine.num_steps
+
+
+def test_log_schedule_reports_each_step(tiny_llama, caplog):
+    from scheduler.cost import StepCostModel
+
+    llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5), lookahead_policy="adaptive", log_schedule=True,
+              step_cost_model=StepCostModel([1, 4096], [0.01, 0.01], learning_rate=0.0))
+    with caplog.at_level("INFO", logger="engine.schedule"):
+        llm.generate({"prompt_token_ids": _repetitive_prompts(1, 96, seed=7)[0]}, SamplingParams(temperature=0, max_tokens=8))
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.schedule"]
+    assert len(lines) == llm.engine.num_steps
+    assert "1 prefill chunks" in lines[0] and "predicted 10.0 ms" in lines[0]
+    assert any("lookahead: 5,3,5 x1" in line for line in lines[1:])
+
+
+def test_schedule_metrics_are_exported(tiny_llama):
+    from prometheus_client import generate_latest
+
+    from proto.metrics import ServerMetrics
+
+    llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5))
+    metrics = ServerMetrics(llm.engine)
+    llm.generate({"prompt_token_ids": _repetitive_prompts(1, 96, seed=8)[0]}, SamplingParams(temperature=0, max_tokens=12))
+    text = generate_latest(metrics.registry).decode()
+    n = llm.engine.lookahead_chosen["5,3,5"]
+    assert n > 0
+    assert f'lookahead_segments_total{{config="5,3,5"}} {float(n)}' in text
+    assert f"lookahead_engine_steps_total {float(llm.engine.num_steps)}" in text
+    assert f"lookahead_engine_step_tokens_total {float(llm.engine.step_tokens_total)}" in text

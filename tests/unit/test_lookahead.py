@@ -19,7 +19,7 @@ def test_pool_lru_cap_and_recency():
     assert pool.lookup(1, 5) == [(6, 7), (2, 3)]
     assert pool.lookup(1, 1) == [(6, 7)]
     assert pool.lookup(9, 5) == []
-    pool.add([1, 2])  # wrong length: ignored
+    pool.add([1, 2, 3, 4])  # longer than the pool's n: ignored
     assert len(pool) == 2
 
 

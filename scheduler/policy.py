@@ -1,0 +1,204 @@
+"""Lookahead scheduling: each step, choose every decoding request's (w, n, g) for the most accepted
+tokens per second of step time.
+
+Pure Python. Three parts:
+
+* the **ladder** of a request: the (w, n, g) it may run, from its own maximum down, keeping only rungs that
+  the prior says buy more accepted tokens than every smaller rung (plain decoding is the rung below all);
+* the **acceptance model** of a request: expected extra tokens per step (beyond the one every step
+  gives) = ``prior_gain(w, n, g)`` times a per-request multiplier learnt from its own lookahead steps;
+* the **policy**: given the step's committed part (prefill chunks and plain decodes, which keep their place
+  in the budget) and the step-cost model, upgrade requests one at a time, each time taking the upgrade that
+  gives the highest expected tokens per second for the whole step, while any upgrade raises it and the
+  token budget allows.
+
+``FixedPolicy`` is the other choice: every request runs its own (W, N, G) when the budget has room.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.cost import StepCostModel
+from scheduler.lookahead import step_tokens
+from scheduler.params import LookaheadParams
+
+# Expected extra accepted tokens per steady-state step, by (w, n, g): PRIOR_SCALE * (1 - exp(-min(w, g) / 4))
+# * (1 - 2^-(n-1)). Fitted to the default model's compression ratios (benchmarks/RESULTS.md, 2026-12-02):
+# MT-bench chats gain 0.46 / 0.50 / 0.71 / 0.81 at (4,3,4) / (5,3,5) / (7,5,7) / (15,5,15), which this
+# gives as 0.43 / 0.48 / 0.70 / 0.82; code (HumanEval) gains about twice that, which the per-request
+# multiplier learns.
+PRIOR_SCALE = 0.9
+_WINDOWS = (2, 3, 4, 5, 7, 10, 15, 20, 30)
+
+
+def prior_gain(window_size: int, ngram_size: int, verification_set_size: int) -> float:
+    w, n, g = window_size, ngram_size, verification_set_size
+    if n < 3 or w < 2 or g < 1:
+        return 0.0
+    return PRIOR_SCALE * (1 - math.exp(-min(w, g) / 4)) * (1 - 0.5 ** (n - 1))
+
+
+def ladder(maximum: LookaheadParams) -> list[LookaheadParams]:
+    """The (w, n, g) a request whose maximum is ``maximum`` may run, fewest tokens first; each rung's prior
+    gain exceeds every cheaper rung's. Always includes ``maximum`` itself."""
+    if maximum.is_plain:
+        return []
+    W, N, G = maximum.window_size, maximum.ngram_size, maximum.verification_set_size
+    grid = {
+        LookaheadParams(w, n, max(1, round(w * G / W)) if G else 0)
+        for w in sorted({*(x for x in _WINDOWS if x < W), W})
+        for n in range(3, N + 1)
+    }
+    grid.add(maximum)
+    rungs = sorted(grid, key=lambda p: (step_tokens(p.window_size, p.ngram_size, p.verification_set_size), -prior_gain(
+        p.window_size, p.ngram_size, p.verification_set_size)))
+    out: list[LookaheadParams] = []
+    best = 0.0
+    for p in rungs:
+        gain = prior_gain(p.window_size, p.ngram_size, p.verification_set_size)
+        if gain > best or p == maximum:
+            out.append(p)
+            best = max(best, gain)
+    return out
+
+
+class AcceptanceModel:
+    """One request's multiplier on the prior: (k0 + observed extra tokens) / (k0 + predicted extra tokens),
+    over its lookahead steps with older steps discounted by ``decay``. Plain steps decay the evidence too,
+    so a request that dropped to plain decoding drifts back to the prior and gets tried again."""
+
+    def __init__(self, prior_weight: float = 1.0, decay: float = 0.97) -> None:
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.observed = 0.0
+        self.predicted = 0.0
+
+    @property
+    def multiplier(self) -> float:
+        return (self.prior_weight + self.observed) / (self.prior_weight + self.predicted)
+
+    def expected_extra(self, params: LookaheadParams) -> float:
+        return self.multiplier * prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
+
+    def observe(self, params: LookaheadParams | None, num_accepted: int) -> None:
+        """One step of the request: ``params`` None for a plain step; ``num_accepted`` output tokens."""
+        self.observed *= self.decay
+        self.predicted *= self.decay
+        if params is not None:
+            self.observed += max(num_accepted - 1, 0)
+            self.predicted += prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
+
+
+@dataclass
+class Option:
+    """One rung a request could run this step: its parameters, step tokens, expected extra tokens."""
+
+    params: LookaheadParams
+    num_tokens: int
+    expected_extra: float
+
+
+@dataclass
+class Decision:
+    """What the policy chose for one step: per candidate the index of its option, or None for plain."""
+
+    choices: list[int | None]
+    num_tokens: int
+    num_segments: int
+    expected_tokens: float
+    predicted_seconds: float
+    num_decodes: int = 0
+
+
+class AdaptivePolicy:
+    """explore_every: every so many steps that have candidates, one request -- the one with the best
+    expected gain per token -- runs its cheapest rung even if the models say it does not pay, so that the
+    cost model sees lookahead-sized steps and the acceptance model sees the request, and a wrong prior
+    cannot lock lookahead out for good (0: never)."""
+
+    name = "adaptive"
+
+    def __init__(self, cost_model: StepCostModel, explore_every: int = 0) -> None:
+        self.cost = cost_model
+        self.explore_every = explore_every
+        self._num_calls = 0
+
+    def choose(
+        self,
+        options: Sequence[Sequence[Option]],
+        base_tokens: int,
+        base_segments: int,
+        base_yield: float,
+        budget: int,
+        base_decodes: int | None = None,
+    ) -> Decision:
+        """``options[r]``: request r's rungs (plain, costing 1 token and yielding 1, is implicit);
+        ``base_*``: the step without any lookahead (tokens, looped segments, output tokens expected, plain
+        decodes -- by default one per candidate); ``budget``: most extra tokens lookahead may add."""
+        cost = self.cost
+        choices: list[int | None] = [None] * len(options)
+        tokens, segments, yield_ = base_tokens, base_segments, base_yield
+        decodes = len(options) if base_decodes is None else base_decodes
+        seconds = cost.predict(tokens, segments, decodes)
+        self._num_calls += 1
+        if self.explore_every and self._num_calls % self.explore_every == 0 and options:
+            # Explore: the request with the best expected gain per token runs its cheapest rung.
+            r = max(range(len(options)), key=lambda i: options[i][0].expected_extra / options[i][0].num_tokens
+                    if options[i] else -1.0)
+            o = options[r][0] if options[r] else None
+            if o is not None and o.num_tokens - 1 <= budget:
+                choices[r] = 0
+                tokens += o.num_tokens - 1
+                segments += 1
+                decodes -= 1
+                yield_ += o.expected_extra
+                seconds = cost.predict(tokens, segments, decodes)
+        while True:
+            best = None
+            best_rate = yield_ / seconds if seconds > 0 else 0.0
+            for r, opts in enumerate(options):
+                cur = choices[r]
+                cur_tokens = opts[cur].num_tokens if cur is not None else 1
+                cur_extra = opts[cur].expected_extra if cur is not None else 0.0
+                new_segments = segments + (cur is None)
+                new_decodes = decodes - (cur is None)
+                for j in range(0 if cur is None else cur + 1, len(opts)):
+                    o = opts[j]
+                    d_tokens = o.num_tokens - cur_tokens
+                    if tokens + d_tokens - base_tokens > budget or o.expected_extra <= cur_extra:
+                        continue
+                    s = cost.predict(tokens + d_tokens, new_segments, new_decodes)
+                    rate = (yield_ + o.expected_extra - cur_extra) / s if s > 0 else math.inf
+                    if rate > best_rate * (1 + 1e-9):
+                        best, best_rate = (r, j, d_tokens, o.expected_extra - cur_extra, s), rate
+            if best is None:
+                break
+            r, j, d_tokens, d_yield, seconds = best
+            segments += choices[r] is None
+            decodes -= choices[r] is None
+            choices[r] = j
+            tokens += d_tokens
+            yield_ += d_yield
+        return Decision(choices, tokens, segments, yield_, seconds, decodes)
+
+
+class FixedPolicy:
+    """Every request runs its own (W, N, G) -- the last option of its ladder -- while the budget has room."""
+
+    name = "fixed"
+
+    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None) -> Decision:
+        choices: list[int | None] = [None] * len(options)
+        tokens, segments, yield_ = base_tokens, base_segments, base_yield
+        decodes = len(options) if base_decodes is None else base_decodes
+        for r, opts in enumerate(options):
+            if opts and tokens + opts[-1].num_tokens - 1 - base_tokens <= budget:
+                choices[r] = len(opts) - 1
+                tokens += opts[-1].num_tokens - 1
+                segments += 1
+                decodes -= 1
+                yield_ += opts[-1].expected_extra
+        return Decision(choices, tokens, segments, yield_, 0.0, decodes)

@@ -1,0 +1,311 @@
+"""Lookahead scheduling: step-cost model, window resize, ladder, acceptance model and the policy.
+
+Pure Python with fake cost models: memory-bound steps get full lookahead, compute-bound steps plain
+decoding, low-acceptance requests lose their share first, and the budget is never exceeded.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kv_cache import KVCacheManager
+from scheduler import LookaheadParams, LookaheadState, NGramPool, Request, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.batch import ModelRunnerOutput
+from scheduler.config import LookaheadConfig
+from scheduler.cost import StepCostModel
+from scheduler.lookahead import step_tokens
+from scheduler.policy import AcceptanceModel, AdaptivePolicy, FixedPolicy, Option, ladder, prior_gain
+
+MAX = LookaheadParams(15, 5, 15)
+
+
+def flat_cost(seconds: float = 0.01) -> StepCostModel:
+    """Memory bound: a step costs the same whatever its tokens (up to 4096)."""
+    return StepCostModel([1, 4096], [seconds, seconds], learning_rate=0.0)
+
+
+def linear_cost(per_token: float = 0.001) -> StepCostModel:
+    """Compute bound: a step costs in proportion to its tokens."""
+    return StepCostModel([1, 4096], [per_token, 4096 * per_token], learning_rate=0.0)
+
+
+# ---- step-cost model -----------------------------------------------------------------------------
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    m = StepCostModel([1, 16, 32], [0.010, 0.012, 0.020], per_segment=0.001, learning_rate=0.0)
+    assert m.predict(1) == pytest.approx(0.010)
+    assert m.predict(16) == pytest.approx(0.012)
+    assert m.predict(24) == pytest.approx(0.016)
+    assert m.predict(48) == pytest.approx(0.028)  # the last slope, extended
+    assert m.predict(16, num_segments=3) == pytest.approx(0.015)
+
+
+def test_cost_model_follows_observed_steps_and_reports_its_error():
+    m = StepCostModel([1, 64], [0.010, 0.050], per_decode=0.001, learning_rate=0.2)
+    for _ in range(60):
+        m.observe(64, 0, 0.100)  # the machine got twice as slow
+    assert m.predict(64) == pytest.approx(0.100, rel=1e-3)
+    assert m.predict(1, num_decodes=1) == pytest.approx(0.022, rel=1e-3)  # the whole curve scales
+    assert m.num_observed == 60 and 0 < m.mean_abs_rel_error < 0.5
+    frozen = StepCostModel([1, 64], [0.010, 0.050], learning_rate=0.0)
+    assert frozen.observe(64, 0, 0.080) == pytest.approx(0.050)
+    assert frozen.predict(64) == pytest.approx(0.050)
+
+
+def test_a_scaled_cost_model_makes_the_same_decisions():
+    base = StepCostModel([1, 64, 4096], [0.010, 0.012, 40.0], per_segment=0.001, per_decode=0.0002, learning_rate=0.0)
+    scaled = StepCostModel([1, 64, 4096], [0.010, 0.012, 40.0], per_segment=0.001, per_decode=0.0002, learning_rate=0.0)
+    scaled.scale = 3.7
+    opts = [_options(m) for m in (0.1, 3.0, 0.2, 2.5, 1.0)]
+    assert AdaptivePolicy(base).choose(opts, 5, 0, 5, 4096).choices == AdaptivePolicy(scaled).choose(opts, 5, 0, 5, 4096).choices
+
+
+@pytest.mark.parametrize(
+    ("knots", "seconds", "kw"),
+    [([], [], {}), ([1, 2], [0.1], {}), ([2, 1], [0.1, 0.2], {}), ([0, 4], [0.1, 0.2], {}),
+     ([1, 4], [-0.1, 0.2], {}), ([1, 4], [0.1, 0.2], {"learning_rate": 2.0})],
+)
+def test_cost_model_rejects_bad_shapes(knots, seconds, kw):
+    with pytest.raises(ValueError):
+        StepCostModel(knots, seconds, **kw)
+
+
+# ---- pool and window resize ----------------------------------------------------------------------
+
+
+def test_pool_keeps_shorter_ngrams_and_cuts_longer_ones_to_the_asked_length():
+    pool = NGramPool(ngram_size=5, cap=8)
+    pool.add([1, 2, 3, 4, 5])
+    pool.add([1, 2, 3, 9])  # from a window run at n = 4
+    pool.add([1, 7, 8])
+    pool.add([1])  # nothing to continue: ignored
+    pool.add([1, 2, 3, 4, 5, 6])  # longer than the pool's n: ignored
+    assert len(pool) == 3
+    assert pool.lookup(1, 8) == [(2, 3, 4, 5)]  # default length N-1 = 4
+    assert pool.lookup(1, 8, 3) == [(2, 3, 9), (2, 3, 4)]
+    assert pool.lookup(1, 8, 2) == [(7, 8), (2, 3)]  # (2, 3) once, though two n-grams give it
+    assert pool.lookup(1, 1, 2) == [(7, 8)]
+
+
+def _state(w: int = 5, n: int = 4, max_n: int = 5) -> LookaheadState:
+    return LookaheadState(w, n, 5, list(range(100, 140)), frozenset(), seed=1, max_ngram_size=max_n)
+
+
+def _advance(state: LookaheadState, x: int, rng: random.Random) -> None:
+    layout, tokens = state.plan(x, 5)
+    assert layout.num_levels == len(state.levels) and layout.num_cols == state.num_cols
+    assert layout.num_window_tokens == layout.num_levels * layout.num_cols
+    assert len(tokens) == layout.num_tokens
+    state.update(x, [rng.randrange(100, 140) for _ in range(layout.num_last_level)], [x + 1])
+
+
+def test_resize_keeps_the_window_consistent_and_warms_back_up():
+    rng = random.Random(0)
+    s = _state()
+    for x in range(3):  # warm at (5, 4): 3 levels of 5 columns
+        _advance(s, x, rng)
+    assert s.warm and (len(s.levels), s.num_cols) == (3, 5)
+    s.resize(3, 4)  # narrower: every level cut to 3 columns
+    assert s.warm and (len(s.levels), s.num_cols) == (3, 3)
+    assert len(s.levels[0]) == 2 and all(len(lvl) == 3 for lvl in s.levels[1:])
+    s.resize(3, 3)  # fewer levels: the top one goes
+    assert s.warm and (len(s.levels), s.num_cols) == (2, 3)
+    s.resize(6, 5)  # more levels than it has: warm-up again, one column more per level still to come
+    assert not s.warm and s.shape_after_resize(6, 5) == (2, 8) and (len(s.levels), s.num_cols) == (2, 8)
+    for x in range(2):
+        _advance(s, x, rng)
+    assert s.warm and (len(s.levels), s.num_cols) == (4, 6)
+    layout, _ = s.plan(0, 5)
+    assert layout.num_tokens == step_tokens(6, 5, layout.num_candidates)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 9), st.integers(3, 6)), min_size=1, max_size=12), st.integers(0, 99))
+def test_any_resize_sequence_gives_valid_segments(shapes, seed):
+    rng = random.Random(seed)
+    s = _state(4, 3, max_n=6)
+    for w, n in shapes:
+        levels, cols = s.shape_after_resize(w, n)
+        s.resize(w, n)
+        assert (len(s.levels), s.num_cols) == (levels, cols)
+        assert len(s.levels[0]) == cols - 1 and all(len(lvl) == cols for lvl in s.levels[1:])
+        assert cols == w + (n - 1) - levels >= w  # columns reach W exactly when the levels reach N-1
+        _advance(s, rng.randrange(100, 140), rng)
+
+
+def test_resize_rejects_sizes_beyond_the_pool():
+    with pytest.raises(ValueError, match="ngram_size"):
+        _state(max_n=5).resize(4, 6)
+    with pytest.raises(ValueError, match="window_size"):
+        _state().resize(1, 3)
+
+
+# ---- ladder and acceptance -------------------------------------------------------------------------
+
+
+def test_ladder_climbs_to_the_maximum_with_rising_gain():
+    rungs = ladder(MAX)
+    assert rungs[-1] == MAX and len(rungs) >= 4
+    tokens = [step_tokens(p.window_size, p.ngram_size, p.verification_set_size) for p in rungs]
+    gains = [prior_gain(p.window_size, p.ngram_size, p.verification_set_size) for p in rungs]
+    assert tokens == sorted(tokens) and gains == sorted(gains) and len(set(gains)) == len(gains)
+    assert all(p.window_size <= 15 and p.ngram_size <= 5 and p.verification_set_size <= 15 for p in rungs)
+    assert ladder(LookaheadParams(enabled=False)) == []
+    assert ladder(LookaheadParams(2, 3, 1)) == [LookaheadParams(2, 3, 1)]
+
+
+def test_acceptance_learns_from_the_request_and_returns_to_the_prior_when_plain():
+    a = AcceptanceModel()
+    p = LookaheadParams(7, 5, 7)
+    assert a.multiplier == 1.0
+    for _ in range(30):
+        a.observe(p, 1)  # never accepts anything
+    low = a.multiplier
+    assert low < 0.1
+    for _ in range(200):
+        a.observe(None, 1)
+    assert 0.9 < a.multiplier <= 1.0  # plain steps fade the evidence: the request gets tried again
+    b = AcceptanceModel()
+    for _ in range(30):
+        b.observe(p, 4)  # code-like: 3 extra tokens a step
+    assert b.multiplier > 3 and b.expected_extra(p) > 3 * prior_gain(7, 5, 7)
+
+
+# ---- the policy ----------------------------------------------------------------------------------------
+
+
+def _options(multiplier: float = 1.0, maximum: LookaheadParams = MAX) -> list[Option]:
+    return [Option(p, step_tokens(p.window_size, p.ngram_size, p.verification_set_size),
+                   multiplier * prior_gain(p.window_size, p.ngram_size, p.verification_set_size)) for p in ladder(maximum)]
+
+
+def test_memory_bound_steps_get_full_lookahead():
+    opts = [_options() for _ in range(8)]
+    d = AdaptivePolicy(flat_cost()).choose(opts, base_tokens=8, base_segments=0, base_yield=8, budget=4096)
+    assert d.choices == [len(o) - 1 for o in opts]
+    assert d.num_tokens == 8 + 8 * (step_tokens(15, 5, 15) - 1)
+
+
+def test_compute_bound_steps_decode_plainly():
+    d = AdaptivePolicy(linear_cost()).choose([_options() for _ in range(8)], 8, 0, 8, 4096)
+    assert d.choices == [None] * 8 and d.num_tokens == 8
+
+
+def test_low_acceptance_requests_lose_their_share_first():
+    # Cheap up to 64 tokens, then a token costs what a whole small step does: room for a few segments only.
+    cost = StepCostModel([1, 64, 4096], [0.010, 0.012, 0.012 + 4032 * 0.010], learning_rate=0.0)
+    mults = [0.1, 3.0, 0.2, 2.5, 0.1, 2.0]
+    d = AdaptivePolicy(cost).choose([_options(m) for m in mults], 6, 0, 6, 4096)
+    got = [c is not None for c in d.choices]
+    assert got == [False, True, False, True, False, True]
+    assert d.num_tokens <= 64 + 20
+
+
+def test_per_segment_cost_counts_against_lookahead():
+    cheap = AdaptivePolicy(StepCostModel([1, 4096], [0.010, 0.010], per_segment=0.0, learning_rate=0.0))
+    dear = AdaptivePolicy(StepCostModel([1, 4096], [0.010, 0.010], per_segment=0.050, learning_rate=0.0))
+    opts = [_options() for _ in range(4)]
+    assert all(c is not None for c in cheap.choose(opts, 4, 0, 4, 4096).choices)
+    assert all(c is None for c in dear.choose(opts, 4, 0, 4, 4096).choices)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0.0005, 0.05), min_size=3, max_size=3),
+    st.lists(st.floats(0.0, 5.0), min_size=1, max_size=12),
+    st.integers(0, 400),
+    st.integers(1, 40),
+)
+def test_budget_is_never_exceeded_and_the_rate_never_falls(increments, mults, budget, base):
+    seconds = [increments[0], increments[0] + increments[1], increments[0] + increments[1] + increments[2]]
+    cost = StepCostModel([1, 32, 512], seconds, learning_rate=0.0)
+    opts = [_options(m, LookaheadParams(7, 5, 7)) for m in mults]
+    d = AdaptivePolicy(cost).choose(opts, base + len(mults), 0, base, budget)
+    assert d.num_tokens - (base + len(mults)) <= budget
+    chosen = [opts[r][c] for r, c in enumerate(d.choices) if c is not None]
+    assert d.num_tokens == base + len(mults) + sum(o.num_tokens - 1 for o in chosen)
+    assert d.predicted_seconds == pytest.approx(cost.predict(d.num_tokens, len(chosen)))
+    plain_rate = base / cost.predict(base + len(mults))
+    assert d.expected_tokens / d.predicted_seconds >= plain_rate * (1 - 1e-9)
+
+
+def test_exploration_tries_the_cheapest_rung_of_the_most_promising_request_now_and_then():
+    policy = AdaptivePolicy(linear_cost(), explore_every=4)
+    opts = [_options(0.5), _options(2.0)]
+    picks = [policy.choose(opts, 2, 0, 2, 4096).choices for _ in range(8)]
+    assert picks[0] == picks[1] == picks[2] == picks[4] == [None, None]
+    assert picks[3] == picks[7] == [None, 0]  # the request with the better acceptance, its cheapest rung
+    assert AdaptivePolicy(linear_cost(), explore_every=1).choose(opts, 2, 0, 2, budget=2).choices == [None, None]
+
+
+def test_fixed_policy_runs_each_maximum_while_the_budget_lasts():
+    opts = [_options() for _ in range(3)]
+    d = FixedPolicy().choose(opts, 3, 0, 3, budget=2 * (step_tokens(15, 5, 15) - 1))
+    assert d.choices == [len(opts[0]) - 1, len(opts[1]) - 1, None]
+
+
+# ---- the scheduler with the adaptive policy -------------------------------------------------------------
+
+
+def _adaptive_scheduler(cost: StepCostModel, budget: int = 2048, num_blocks: int = 256) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512, lookahead_policy="adaptive",
+                          lookahead=LookaheadConfig(default=MAX), lookahead_explore_every=0)
+    return Scheduler(cfg, KVCacheManager(num_blocks, 4), cost)
+
+
+def _request(rid: str, n: int = 12) -> Request:
+    return Request(rid, [sum(map(ord, rid)) % 50 + i for i in range(n)], SamplingParams(temperature=0, max_tokens=64))
+
+
+def _run(s: Scheduler, steps: int) -> list:
+    outs = []
+    for _ in range(steps):
+        so = s.schedule()
+        assert so.num_scheduled_tokens <= s.config.max_num_batched_tokens
+        assert so.num_scheduled_tokens == sum(len(seg.token_ids) for seg in so.scheduled)
+        sampled = [[5] if seg.sample else [] for seg in so.scheduled]
+        window = [[5] * (seg.lookahead.num_last_level if seg.lookahead else 0) for seg in so.scheduled]
+        s.update_from_output(so, ModelRunnerOutput([g.req_id for g in so.scheduled], sampled, window))
+        outs.append(so)
+    return outs
+
+
+def test_adaptive_scheduler_follows_the_cost_model():
+    s = _adaptive_scheduler(flat_cost())
+    for i in range(4):
+        s.add_request(_request(f"r{i}"))
+    outs = _run(s, 3)
+    assert all(seg.lookahead is not None for seg in outs[-1].scheduled)
+    s = _adaptive_scheduler(linear_cost())
+    for i in range(4):
+        s.add_request(_request(f"r{i}"))
+    outs = _run(s, 3)
+    assert all(seg.lookahead is None for so in outs for seg in so.scheduled)
+
+
+def test_prefill_keeps_its_place_in_the_budget():
+    s = _adaptive_scheduler(flat_cost(), budget=64)
+    s.add_request(_request("a"))
+    _run(s, 2)  # "a" decodes with lookahead, which could fill the whole budget
+    s.add_request(_request("b", n=40))
+    so = s.schedule()
+    by_id = {seg.req_id: seg for seg in so.scheduled}
+    assert len(by_id["b"].token_ids) == 40  # the new prompt's prefill came first
+    assert so.num_scheduled_tokens <= 64
+
+
+def test_lookahead_never_preempts_when_blocks_are_short():
+    # 8 blocks of 4: two 12-token prompts, then their next tokens, fill all 8; a lookahead segment would
+    # need a fifth block for its accepted tokens, so both decode plainly and nobody is preempted.
+    s = _adaptive_scheduler(flat_cost(), num_blocks=8)
+    for rid in "ab":  # the fake model outputs 5, and the pool has continuations of 5: candidates to verify
+        s.add_request(Request(rid, [5, 6, 7, 8, 9] * 2 + [1, 2], SamplingParams(temperature=0, max_tokens=64)))
+    outs = _run(s, 3)
+    assert s.num_preemptions == 0
+    assert all(seg.lookahead is None for so in outs for seg in so.scheduled)
+    assert [len(seg.token_ids) for seg in outs[-1].scheduled] == [1, 1]
