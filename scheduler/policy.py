@@ -17,6 +17,7 @@ Pure Python. Three parts:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,11 +42,12 @@ def prior_gain(window_size: int, ngram_size: int, verification_set_size: int) ->
     return PRIOR_SCALE * (1 - math.exp(-min(w, g) / 4)) * (1 - 0.5 ** (n - 1))
 
 
-def ladder(maximum: LookaheadParams) -> list[LookaheadParams]:
+@functools.lru_cache(maxsize=1024)
+def ladder(maximum: LookaheadParams) -> tuple[LookaheadParams, ...]:
     """The (w, n, g) a request whose maximum is ``maximum`` may run, fewest tokens first; each rung's prior
     gain exceeds every cheaper rung's. Always includes ``maximum`` itself."""
     if maximum.is_plain:
-        return []
+        return ()
     W, N, G = maximum.window_size, maximum.ngram_size, maximum.verification_set_size
     grid = {
         LookaheadParams(w, n, max(1, round(w * G / W)) if G else 0)
@@ -62,7 +64,7 @@ def ladder(maximum: LookaheadParams) -> list[LookaheadParams]:
         if gain > best or p == maximum:
             out.append(p)
             best = max(best, gain)
-    return out
+    return tuple(out)
 
 
 class AcceptanceModel:

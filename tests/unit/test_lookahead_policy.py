@@ -155,8 +155,8 @@ def test_ladder_climbs_to_the_maximum_with_rising_gain():
     gains = [prior_gain(p.window_size, p.ngram_size, p.verification_set_size) for p in rungs]
     assert tokens == sorted(tokens) and gains == sorted(gains) and len(set(gains)) == len(gains)
     assert all(p.window_size <= 15 and p.ngram_size <= 5 and p.verification_set_size <= 15 for p in rungs)
-    assert ladder(LookaheadParams(enabled=False)) == []
-    assert ladder(LookaheadParams(2, 3, 1)) == [LookaheadParams(2, 3, 1)]
+    assert ladder(LookaheadParams(enabled=False)) == ()
+    assert ladder(LookaheadParams(2, 3, 1)) == (LookaheadParams(2, 3, 1),)
 
 
 def test_acceptance_learns_from_the_request_and_returns_to_the_prior_when_plain():
