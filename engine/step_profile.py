@@ -1,8 +1,7 @@
 """Measure the step-cost model (scheduler.cost) on this machine: a short profile at engine start-up.
 
-It runs synthetic steps through the real model runner -- ``T`` plain decodes for each knot ``T``, and
-the same token counts split into lookahead segments -- and fits ``f(knot)`` and the per-segment cost
-by least squares. The steps read and write only the first few KV blocks, before any request owns one,
+It times synthetic steps through the real model runner (``profile_step_cost`` says which) and derives
+``f`` at each knot, the per-segment and the per-decode cost from them. The steps read and write only the first few KV blocks, before any request owns one,
 and nothing they write is registered in the prefix cache.
 """
 
@@ -34,11 +33,13 @@ def _decodes(n: int, block_ids: list[int]) -> list[ScheduledRequest]:
     return [ScheduledRequest(f"p{i}", [0], CONTEXT, block_ids, True) for i in range(n)]
 
 
+def _segment(i: int, size: int, block_ids: list[int]) -> ScheduledRequest:
+    # A one-level window of ``size`` tokens (x and its row): the tree mask path, no candidates.
+    return ScheduledRequest(f"l{i}", [0] * size, CONTEXT, block_ids, True, lookahead=LookaheadLayout(1, size, 0, 2))
+
+
 def _segments(num_segments: int, tokens_each: int, block_ids: list[int]) -> list[ScheduledRequest]:
-    # A one-level window of ``tokens_each`` tokens (x and its row): the tree mask path, no candidates.
-    layout = LookaheadLayout(1, tokens_each, 0, 2)
-    return [ScheduledRequest(f"l{i}", [0] * tokens_each, CONTEXT, block_ids, True, lookahead=layout)
-            for i in range(num_segments)]
+    return [_segment(i, tokens_each, block_ids) for i in range(num_segments)]
 
 
 def _time(runner, step: list[ScheduledRequest], repeats: int) -> float:
@@ -58,10 +59,7 @@ def _lookahead_step(num_tokens: int, block_ids: list[int]) -> list[ScheduledRequ
     rest = num_tokens - 1
     k = -(-rest // 64)
     sizes = [rest // k + (i < rest % k) for i in range(k)]
-    for i, size in enumerate(sizes):
-        step += [ScheduledRequest(f"l{i}", [0] * size, CONTEXT, block_ids, True,
-                                  lookahead=LookaheadLayout(1, size, 0, 2))]
-    return step
+    return step + [_segment(i, size, block_ids) for i, size in enumerate(sizes)]
 
 
 def profile_step_cost(runner, max_tokens: int, repeats: int = 2, learning_rate: float = 0.1) -> StepCostModel:
