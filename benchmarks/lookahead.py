@@ -150,46 +150,54 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     modes = [("off", fixed, OFF)] + [(Row("", "", c, [], [], 0).label, fixed, c) for c in args.fixed] + [
         (f"adaptive (max {Row('', '', args.adaptive_max, [], [], 0).label[1:-1]})", adaptive, args.adaptive_max)]
     lines = [
-        f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max(2, c) prompts of each set "
-        f"at concurrency c (max_num_seqs = c), token budget {budget} per step. Fixed configs whose c x step tokens "
+        f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max({args.min_prompts}, c) prompts "
+        f"of each set at concurrency c (max_num_seqs = c), token budget {budget} per step. Each (set, c) runs every mode "
+        f"{args.rounds} times, in order then in reverse order and so on, so that the machine's drift falls on every mode "
+        f"alike; tokens, steps and wall seconds are totals over the rounds. Fixed configs whose c x step tokens "
         f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). Step-cost profile of the adaptive engine "
         f"(tokens: ms): {profile}; {cost.per_segment * 1e3:.2f} ms per looped segment, "
-        f"{cost.per_decode * 1e3:.2f} ms per plain decode.\n",
+        f"{cost.per_decode * 1e3:.2f} ms per plain decode, {cost.decode_overhead * 1e3:.2f} ms for a step having plain "
+        "decodes.\n",
         "| prompts | c | mode | requests | tokens | steps | tokens/step | wall s | tok/s | vs off | vs best other | "
         "step-time model error | identical to off | mean matching prefix |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, all_prompts in sets.items():
         for c in args.concurrency:
-            prompts = all_prompts[: max(2, c)]
-            results = []
-            for label, llm, config in modes:
-                if not config.is_plain and llm is fixed and c * step_tokens(
-                        config.window_size, config.ngram_size, config.verification_set_size) > args.max_fixed_step_tokens:
-                    results.append((label, None))
-                    continue
-                eng = llm.engine
-                eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c)
-                before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
-                log(f"{name} c={c} {label} on {len(prompts)} prompts ...")
-                outs, seconds = run(llm, prompts, config, args.max_tokens, False)
-                err = None
-                if eng.scheduler.cost_model is not None:
-                    d_err = eng.step_abs_error_seconds_total - before[0]
-                    d_sec = eng.step_seconds_total - before[1]
-                    err = d_err / d_sec if d_sec else None
-                toks = sum(o.metrics.num_output_tokens for o in outs)
-                steps = sum(o.metrics.num_steps for o in outs)
-                results.append((label, (outs, seconds, toks, steps, err)))
-                log(f"  {toks / steps:.3f} tokens/step, {toks / seconds:.1f} tok/s")
-            off_outs, off_s, off_t, _, _ = results[0][1]
-            off_ids = [o.outputs[0].token_ids for o in off_outs]
-            rates = {lab: r[2] / r[1] for lab, r in results if r is not None}
-            for lab, r in results:
-                if r is None:
+            prompts = all_prompts[: max(args.min_prompts, c)]
+            runnable = [(label, llm, config) for label, llm, config in modes
+                        if config.is_plain or llm is not fixed or c * step_tokens(
+                            config.window_size, config.ngram_size, config.verification_set_size) <= args.max_fixed_step_tokens]
+            # Per mode: outputs of the first round, wall seconds, tokens, steps, model |error| and step seconds.
+            acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True] for label, _, _ in runnable}
+            for rnd in range(args.rounds):
+                for label, llm, config in (runnable if rnd % 2 == 0 else runnable[::-1]):
+                    eng = llm.engine
+                    eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c)
+                    before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
+                    log(f"{name} c={c} {label} on {len(prompts)} prompts, round {rnd + 1}/{args.rounds} ...")
+                    outs, seconds = run(llm, prompts, config, args.max_tokens, False)
+                    a = acc[label]
+                    ids = [o.outputs[0].token_ids for o in outs]
+                    if a[0] is None:
+                        a[0] = outs
+                    else:
+                        a[6] &= ids == [o.outputs[0].token_ids for o in a[0]]  # same outputs every round
+                    a[1] += seconds
+                    a[2] += sum(o.metrics.num_output_tokens for o in outs)
+                    a[3] += sum(o.metrics.num_steps for o in outs)
+                    if eng.scheduler.cost_model is not None:
+                        a[4] += eng.step_abs_error_seconds_total - before[0]
+                        a[5] += eng.step_seconds_total - before[1]
+                    log(f"  {a[2] / a[3]:.3f} tokens/step, {a[2] / a[1]:.1f} tok/s so far")
+            off_ids = [o.outputs[0].token_ids for o in acc["off"][0]]
+            rates = {lab: a[2] / a[1] for lab, a in acc.items()}
+            for lab, _, config in modes:
+                if lab not in acc:
                     lines.append(f"| {name} | {c} | {lab} | {len(prompts)} | skipped | | | | | | | | | |")
                     continue
-                outs, seconds, toks, steps, err = r
+                outs, seconds, toks, steps, d_err, d_sec, stable = acc[lab]
+                err = d_err / d_sec if d_sec else None
                 ids = [o.outputs[0].token_ids for o in outs]
                 best_other = max(v for k, v in rates.items() if k != lab)
                 same = sum(a == b for a, b in zip(ids, off_ids))
@@ -197,7 +205,8 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                 lines.append(
                     f"| {name} | {c} | {lab} | {len(prompts)} | {toks} | {steps} | {toks / steps:.3f} | {seconds:.1f} | "
                     f"{rates[lab]:.1f} | {rates[lab] / rates['off']:.2f}x | {rates[lab] / best_other:.2f}x | "
-                    f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)} | {match * 100:.1f}% |"
+                    f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if stable else ' (varied by round)'} | "
+                    f"{match * 100:.1f}% |"
                 )
     chosen = ", ".join(f"{k}: {v}" for k, v in adaptive.engine.lookahead_chosen.most_common(8))
     lines.append(f"\nAdaptive engine, lookahead segments run by (w,n,g), most common first: {chosen or 'none'}; "
@@ -225,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="fixed configs of the concurrency study (default: 15,5,15;4,3,4)")
     ap.add_argument("--adaptive-max", type=lambda t: parse_configs(t)[0], default=LookaheadParams(15, 5, 15),
                     help="every request's maximum (W,N,G) under the adaptive policy (default: 15,5,15)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of every mode per (set, concurrency) in the study, alternating order (default: %(default)s)")
+    ap.add_argument("--min-prompts", type=int, default=4,
+                    help="prompts per set at concurrency c in the study: max(this, c) (default: %(default)s)")
     ap.add_argument("--max-step-tokens", type=int, default=4096, help="token budget per step in the study")
     ap.add_argument("--max-fixed-step-tokens", type=int, default=1024,
                     help="skip a fixed config at a concurrency whose full steps exceed this many tokens (time)")
@@ -232,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.concurrency:
         llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)
-        sets = load_prompts(llm0, args.mt_bench, args.humaneval, max(args.concurrency + [2]))
+        sets = load_prompts(llm0, args.mt_bench, args.humaneval, max(args.concurrency + [args.min_prompts]))
         del llm0
         text = (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                 f"{torch.get_num_threads()} threads\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`"

@@ -1,8 +1,10 @@
 """Measure the step-cost model (scheduler.cost) on this machine: a short profile at engine start-up.
 
-It times synthetic steps through the real model runner (``profile_step_cost`` says which) and derives
-``f`` at each knot, the per-segment and the per-decode cost from them. The steps read and write only the first few KV blocks, before any request owns one,
-and nothing they write is registered in the prefix cache.
+It times synthetic steps through the real model runner (``profile_step_cost`` says which), each several
+times in alternating order, and derives ``f`` at each knot, the per-segment and per-decode costs and the
+decode overhead from their medians. The model's live fit starts from these. The steps read and write only
+the first few KV blocks, before any request owns one, and nothing they write is registered in the prefix
+cache.
 """
 
 from __future__ import annotations
@@ -42,15 +44,20 @@ def _segments(num_segments: int, tokens_each: int, block_ids: list[int]) -> list
     return [_segment(i, tokens_each, block_ids) for i in range(num_segments)]
 
 
-def _time(runner, step: list[ScheduledRequest], repeats: int) -> float:
-    so = SchedulerOutput(scheduled=step, num_scheduled_tokens=sum(len(s.token_ids) for s in step))
-    runner.execute(so)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _time_all(runner, steps: list[list[ScheduledRequest]], repeats: int) -> list[float]:
+    """Median seconds of each step over ``repeats`` rounds, after one warm-up each; the rounds alternate
+    forward and backward through the steps, so a machine that speeds up or slows down during the profile
+    shifts every step alike instead of the last ones."""
+    outs = [SchedulerOutput(scheduled=s, num_scheduled_tokens=sum(len(r.token_ids) for r in s)) for s in steps]
+    for so in outs:
         runner.execute(so)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    times: list[list[float]] = [[] for _ in outs]
+    for r in range(repeats):
+        for i in (range(len(outs)) if r % 2 == 0 else reversed(range(len(outs)))):
+            t0 = time.perf_counter()
+            runner.execute(outs[i])
+            times[i].append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
 
 
 def _lookahead_step(num_tokens: int, block_ids: list[int]) -> list[ScheduledRequest]:
@@ -62,41 +69,51 @@ def _lookahead_step(num_tokens: int, block_ids: list[int]) -> list[ScheduledRequ
     return step + [_segment(i, size, block_ids) for i, size in enumerate(sizes)]
 
 
-def profile_step_cost(runner, max_tokens: int, repeats: int = 2, learning_rate: float = 0.1) -> StepCostModel:
-    """Fit a StepCostModel for steps of up to ``max_tokens`` tokens on ``runner`` (an engine ModelRunner).
+def profile_step_cost(runner, max_tokens: int, repeats: int = 5, learning_rate: float = 0.1) -> StepCostModel:
+    """Measure a StepCostModel for steps of up to ``max_tokens`` tokens on ``runner`` (an engine ModelRunner).
 
-    ``f`` at each knot ``T`` is the fastest of ``repeats`` steps (after one warm-up) of one plain decode
-    and ``T - 1`` tokens of lookahead segments (64 tokens at most each): the steps the policy weighs.
-    The per-decode cost is the median, over steps of 16 and 64 plain decodes, of the time beyond ``f``
-    per decode; the per-segment cost is what four 16-token segments cost beyond one 64-token segment,
-    per extra segment. Knots stop at 512 tokens: above that ``f`` extrapolates the last slope, and the
-    live correction takes over.
+    Every step below is timed ``repeats`` times (``_time_all``: the median, in alternating order).
+    ``f`` at each knot ``T`` comes from a step of one plain decode and ``T - 1`` tokens of lookahead
+    segments (64 tokens at most each), the steps the policy weighs (``T`` < 3: ``T`` plain decodes). The
+    per-decode cost is the median, over steps of 16 and 64 plain decodes, of their time beyond ``f`` per
+    decode; the per-segment cost is what four 16-token segments cost beyond one 64-token segment, per extra
+    segment; the decode overhead is what one plain decode next to a 15-token segment costs beyond a
+    16-token segment alone, less one decode. Knots stop at 512 tokens: above that ``f`` extrapolates the
+    last slope, and the live fit takes over.
     """
     start = time.perf_counter()
     block_ids = list(range(-(-(CONTEXT + 64) // runner.block_size)))
     knots = knots_for(min(max_tokens, 512))
     steps = [_decodes(t, block_ids) if t < 3 else _lookahead_step(t, block_ids) for t in knots]
-    seconds = [_time(runner, step, repeats) for step in steps]
+    extra: dict[str, list[ScheduledRequest]] = {f"{d} decodes": _decodes(d, block_ids) for d in (16, 64) if d <= max_tokens}
+    if max_tokens >= 65:
+        extra["4 x 16"] = _decodes(1, block_ids) + _segments(4, 16, block_ids)
+        extra["1 x 64"] = _decodes(1, block_ids) + _segments(1, 64, block_ids)
+    if max_tokens >= 16:
+        extra["16 alone"] = [_segment(0, 16, block_ids)]
+        extra["15 + decode"] = _decodes(1, block_ids) + [_segment(0, 15, block_ids)]
+    measured = _time_all(runner, steps + list(extra.values()), repeats)
+    seconds, timed = measured[: len(steps)], dict(zip(extra, measured[len(steps) :]))
     for i in range(1, len(seconds)):  # f never falls as tokens grow: a dip is noise
         seconds[i] = max(seconds[i], seconds[i - 1])
-    cost = StepCostModel(knots, seconds, learning_rate=learning_rate)
-    extra = [(_time(runner, _decodes(d, block_ids), repeats) - cost.tokens_cost(d)) / d for d in (16, 64) if d <= max_tokens]
-    per_decode = max(float(np.median(extra)), 0.0) if extra else 0.0
-    per_segment = 0.0
-    if max_tokens >= 65:
-        four = _time(runner, _decodes(1, block_ids) + _segments(4, 16, block_ids), repeats)
-        one = _time(runner, _decodes(1, block_ids) + _segments(1, 64, block_ids), repeats)
-        per_segment = max((four - one) / 3, 0.0)
+    # Provisional f (every knot as measured, with its decode and segments) to take per-decode costs from.
+    rough = StepCostModel(knots, seconds, learning_rate=0.0)
+    beyond = [(timed[f"{d} decodes"] - rough.tokens_cost(d)) / d for d in (16, 64) if f"{d} decodes" in timed]
+    per_decode = max(float(np.median(beyond)), 0.0) if beyond else 0.0
+    per_segment = max((timed["4 x 16"] - timed["1 x 64"]) / 3, 0.0) if "4 x 16" in timed else 0.0
+    overhead = max(timed["15 + decode"] - timed["16 alone"] - per_decode, 0.0) if "16 alone" in timed else 0.0
     # f is the tokens' own cost: take out the decodes and segments each profiled step had.
-    seconds = [max(t - per_decode * sum(s.lookahead is None for s in step)
-                   - per_segment * sum(s.lookahead is not None for s in step), 1e-6) for t, step in zip(seconds, steps)]
+    seconds = [max(t - (per_decode * d + overhead * (d > 0)) - per_segment * (len(step) - d), 1e-6)
+               for t, step in zip(seconds, steps) for d in [sum(s.lookahead is None for s in step)]]
     for i in range(1, len(seconds)):
         seconds[i] = max(seconds[i], seconds[i - 1])
-    cost = StepCostModel(knots, seconds, per_segment=per_segment, learning_rate=learning_rate, per_decode=per_decode)
+    cost = StepCostModel(knots, seconds, per_segment=per_segment, learning_rate=learning_rate,
+                         per_decode=per_decode, decode_overhead=overhead)
     logger.info(
-        "step-cost profile in %.1f s: %s ms; %.2f ms per looped segment, %.2f ms per plain decode",
+        "step-cost profile in %.1f s: %s ms; %.2f ms per looped segment, %.2f ms per plain decode, "
+        "%.2f ms for a step having plain decodes",
         time.perf_counter() - start,
         ", ".join(f"{k} tok {s * 1e3:.1f}" for k, s in zip(knots, seconds)),
-        cost.per_segment * 1e3, cost.per_decode * 1e3,
+        cost.per_segment * 1e3, cost.per_decode * 1e3, cost.decode_overhead * 1e3,
     )
     return cost

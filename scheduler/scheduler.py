@@ -46,6 +46,8 @@ class Scheduler:
         self.policy = (AdaptivePolicy(cost_model, config.lookahead_explore_every)
                        if config.lookahead_policy == "adaptive" else FixedPolicy())
         self._acceptance: dict[str, AcceptanceModel] = {}
+        # Every request's lookahead steps together, slowly discounted: where a new request's model starts.
+        self._acceptance_all = AcceptanceModel(prior_weight=8.0, decay=0.999)
         self.last_decision: Decision | None = None
         self.last_lookahead: list[LookaheadParams] = []  # the (w, n, g) each lookahead segment ran last step
         self.requests: dict[str, Request] = {}
@@ -77,7 +79,7 @@ class Scheduler:
                 seed=request.sampling_params.seed or 0,  # the window's random start comes from the request's seed
             )
             request.max_lookahead = la
-            self._acceptance[request.request_id] = AcceptanceModel()
+            self._acceptance[request.request_id] = AcceptanceModel(self._acceptance_all.multiplier)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -178,6 +180,7 @@ class Scheduler:
                 if seg.lookahead.num_candidates:
                     req.lookahead.num_pool_hits += 1
                 self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled))
+                self._acceptance_all.observe(req.lookahead_step, len(sampled))
             else:
                 req.num_computed_tokens += len(seg.token_ids)
                 if sampled and req.lookahead is not None:

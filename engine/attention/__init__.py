@@ -2,7 +2,8 @@
 
 * ``torch``: the reference -- plain torch over the paged cache, lookahead segments by the prefix / tree
   split merged by log-sum-exp (the semantics every backend must match);
-* ``sdpa``: the reference with one fused ``scaled_dot_product_attention`` per lookahead segment.
+* ``sdpa``: the reference with lookahead segments in fused ``scaled_dot_product_attention`` calls, all of a
+  step's segments in one padded call.
 """
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, merge_attention

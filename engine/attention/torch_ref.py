@@ -42,17 +42,24 @@ class TorchReferenceBackend(AttentionBackend):
             kv_cache[0].index_copy_(0, meta.write_slots, k[meta.write_token_idx])
             kv_cache[1].index_copy_(0, meta.write_slots, v[meta.write_token_idx])
         out = torch.empty_like(q)
-
         if meta.decode_segs:
-            idx = meta.decode_token_idx
-            kd = kv_cache[0][meta.decode_slots].transpose(1, 2)  # [b, kvh, ctx + 1, d]
-            vd = kv_cache[1][meta.decode_slots].transpose(1, 2)
-            qd = q[idx].unsqueeze(2)  # [b, h, 1, d]
-            o = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask[:, None, None, :], scale=scale, enable_gqa=True
-            )
-            out[idx] = o.squeeze(2)
+            self._decodes(q, kv_cache, meta, scale, out)
+        self._segments(q, k, v, kv_cache, meta, scale, out)
+        return out
 
+    def _decodes(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Every plain decode in one padded call: each token over its prefix and itself, all in the cache."""
+        idx = meta.decode_token_idx
+        kd = kv_cache[0][meta.decode_slots].transpose(1, 2)  # [b, kvh, ctx + 1, d]
+        vd = kv_cache[1][meta.decode_slots].transpose(1, 2)
+        qd = q[idx].unsqueeze(2)  # [b, h, 1, d]
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=meta.decode_mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        out[idx] = o.squeeze(2)
+
+    def _segments(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Prefill chunks and lookahead segments, one by one, into ``out``."""
         for s in meta.other_segs:
             lo, hi = meta.query_start_loc[s], meta.query_start_loc[s + 1]
             tree = meta.seg_masks[s]
@@ -61,7 +68,6 @@ class TorchReferenceBackend(AttentionBackend):
                 out[lo:hi] = self._chunk(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, prefix, scale)
                 continue
             out[lo:hi] = self._lookahead(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, prefix, tree, scale)
-        return out
 
     @staticmethod
     def _lookahead(q, k, v, kv_cache, prefix: torch.Tensor | None, tree: torch.Tensor, scale: float) -> torch.Tensor:

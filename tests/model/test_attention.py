@@ -26,14 +26,15 @@ def _oracle(q, k, v, mask, scale):
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@pytest.mark.parametrize("seed", range(3))
-def test_split_attention_equals_dense_oracle(seed, backend):
+@pytest.mark.parametrize(("seed", "num_lookahead"), [(0, 1), (1, 2), (2, 3), (3, 3)])
+def test_split_attention_equals_dense_oracle(seed, num_lookahead, backend):
+    """One lookahead segment, or several (the sdpa backend batches those into one padded call)."""
     gen = torch.Generator().manual_seed(seed)
     la = LookaheadLayout(num_levels=3, num_cols=4, num_candidates=2, candidate_len=3)
     warm = LookaheadLayout(num_levels=1, num_cols=6, num_candidates=0, candidate_len=3)
     # (context already cached, tokens this step, lookahead layout)
-    plan = [(0, 7, None), (9, 5, None), (13, 1, None), (0, 1, None), (6, 1, None), (11, la.num_tokens, la),
-            (3, warm.num_tokens, warm)]
+    plan = [(0, 7, None), (9, 5, None), (13, 1, None), (0, 1, None), (6, 1, None)] + [
+        (11, la.num_tokens, la), (3, warm.num_tokens, warm), (0, la.num_tokens, la)][:num_lookahead]
     num_blocks = 64
     cache = torch.zeros(2, num_blocks * BLOCK, KV_HEADS, DIM)
     segs, prefixes = [], []
