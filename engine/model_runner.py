@@ -150,21 +150,19 @@ class ModelRunner:
         window_outs: list[list[int]] = [[] for _ in segs]
 
         plain = [i for i, s in enumerate(segs) if s.sample and s.lookahead is None]
+        la_segs = [i for i, s in enumerate(segs) if s.lookahead is not None]
+        la_rows = [self._lookahead_rows(segs[i].lookahead, starts[i]) for i in la_segs]
+        # One output-layer call for the plain rows and every lookahead segment's rows: it is the step's
+        # largest matmul, and each call costs a fixed overhead (several ms on a CPU).
+        rows = [starts[i + 1] - 1 for i in plain] + list(itertools.chain(*la_rows))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if plain:
-            rows = torch.tensor([starts[i + 1] - 1 for i in plain], device=self.device)
-            tokens = self.sampler.sample(self.model.compute_logits(hidden[rows]), [segs[i] for i in plain])
+            tokens = self.sampler.sample(logits[: len(plain)], [segs[i] for i in plain])
             for i, token in zip(plain, tokens, strict=True):
                 sampled[i] = [token]
 
         commits: list[tuple[int, int, int]] = []  # (segment, first token index, num tokens from x)
-        la_segs = [i for i, s in enumerate(segs) if s.lookahead is not None]
-        # One output-layer call for every lookahead segment's rows: it is the step's largest matmul, and
-        # one call per segment costs a fixed overhead each (several ms on a CPU).
-        la_rows = [self._lookahead_rows(segs[i].lookahead, starts[i]) for i in la_segs]
-        la_logits = (
-            self.model.compute_logits(hidden[torch.tensor(list(itertools.chain(*la_rows)), device=self.device)])
-            if la_segs else None
-        )
+        la_logits = logits[len(plain) :] if la_segs else None
         lo = 0
         for i, rows in zip(la_segs, la_rows, strict=True):
             seg = segs[i]

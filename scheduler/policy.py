@@ -95,6 +95,16 @@ class AcceptanceModel:
     def expected_extra(self, params: LookaheadParams) -> float:
         return self.multiplier * prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
 
+    def optimistic_extra(self, params: LookaheadParams, beta: float = 1.0) -> float:
+        """``expected_extra`` with the multiplier raised by ``beta`` standard errors (an upper confidence
+        bound: accepted tokens are roughly Poisson, so the error is about sqrt(m / evidence)). What the
+        adaptive policy plans with: a request it knows little about gets tried, and a request whose text
+        lookahead suits (code) finds out, where the bare estimate -- the engine-wide prior, from other
+        requests -- would keep it plain for good."""
+        m = self.multiplier
+        bonus = beta * math.sqrt(max(m, 0.25) / (self.prior_weight + self.predicted))
+        return (m + bonus) * prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
+
     def observe(self, params: LookaheadParams | None, num_accepted: int) -> None:
         """One step of the request: ``params`` None for a plain step; ``num_accepted`` output tokens."""
         self.observed *= self.decay
@@ -126,7 +136,14 @@ class Decision:
 
 
 class AdaptivePolicy:
-    """explore_every: every so many steps that have candidates, one request -- the one with the best
+    """Greedy upgrades from two starts: every request plain, and every request at the same rung of its
+    ladder (the rung with the best expected rate, when that beats all-plain). The uniform starts matter because a step's cost is not additive: a step
+    of lookahead segments alone skips the plain-decode path altogether (``StepCostModel.decode_overhead``),
+    so upgrading the last plain request can pay where upgrading the first does not, and greedy moves from
+    all-plain never see that. The decision is whichever of the two ends with the higher expected tokens
+    per second.
+
+    explore_every: every so many steps that have candidates, one request -- the one with the best
     expected gain per token -- runs its cheapest rung even if the models say it does not pay, so that the
     cost model sees lookahead-sized steps and the acceptance model sees the request, and a wrong prior
     cannot lock lookahead out for good (0: never)."""
@@ -151,50 +168,81 @@ class AdaptivePolicy:
         ``base_*``: the step without any lookahead (tokens, looped segments, output tokens expected, plain
         decodes -- by default one per candidate); ``budget``: most extra tokens lookahead may add."""
         cost = self.cost
-        choices: list[int | None] = [None] * len(options)
-        tokens, segments, yield_ = base_tokens, base_segments, base_yield
         decodes = len(options) if base_decodes is None else base_decodes
-        seconds = cost.predict(tokens, segments, decodes)
+        start = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
         self._num_calls += 1
         if self.explore_every and self._num_calls % self.explore_every == 0 and options:
             # Explore: the request with the best expected gain per token runs its cheapest rung.
             r = max(range(len(options)), key=lambda i: options[i][0].expected_extra / options[i][0].num_tokens
                     if options[i] else -1.0)
-            o = options[r][0] if options[r] else None
-            if o is not None and o.num_tokens - 1 <= budget:
-                choices[r] = 0
-                tokens += o.num_tokens - 1
-                segments += 1
-                decodes -= 1
-                yield_ += o.expected_extra
-                seconds = cost.predict(tokens, segments, decodes)
+            if options[r] and options[r][0].num_tokens - 1 <= budget:
+                self._move(start, options, r, 0)
+            start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
+            return self._upgrade(start, options, base_tokens, budget)
+        start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
+        best_uniform = None
+        for j in range(max((len(o) for o in options), default=0)):
+            uniform = Decision(list(start.choices), start.num_tokens, start.num_segments, start.expected_tokens,
+                               0.0, start.num_decodes)
+            for r, opts in enumerate(options):
+                if opts:
+                    self._move(uniform, options, r, min(j, len(opts) - 1))
+            if uniform.num_tokens - base_tokens > budget:
+                break  # rungs only grow
+            uniform.predicted_seconds = cost.predict(uniform.num_tokens, uniform.num_segments, uniform.num_decodes)
+            if best_uniform is None or _rate(uniform) > _rate(best_uniform):
+                best_uniform = uniform
+        best = self._upgrade(start, options, base_tokens, budget)
+        if best_uniform is not None and _rate(best_uniform) > _rate(start):
+            # Greedy upgrades from the best uniform start too (two greedy runs bound the work per step).
+            other = self._upgrade(best_uniform, options, base_tokens, budget)
+            if _rate(other) > _rate(best) * (1 + 1e-9):
+                best = other
+        return best
+
+    @staticmethod
+    def _move(d: Decision, options: Sequence[Sequence[Option]], r: int, j: int) -> None:
+        """Set request r to its rung j in ``d`` (tokens, segments, decodes and yield follow)."""
+        cur = d.choices[r]
+        old = options[r][cur] if cur is not None else None
+        o = options[r][j]
+        d.num_tokens += o.num_tokens - (old.num_tokens if old else 1)
+        d.expected_tokens += o.expected_extra - (old.expected_extra if old else 0.0)
+        d.num_segments += cur is None
+        d.num_decodes -= cur is None
+        d.choices[r] = j
+
+    def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int) -> Decision:
+        """Greedy: take the single upgrade that most raises the step's expected rate, while one does."""
+        cost = self.cost
+        choices = d.choices
         while True:
             best = None
-            best_rate = yield_ / seconds if seconds > 0 else 0.0
+            best_rate = _rate(d)
             for r, opts in enumerate(options):
                 cur = choices[r]
                 cur_tokens = opts[cur].num_tokens if cur is not None else 1
                 cur_extra = opts[cur].expected_extra if cur is not None else 0.0
-                new_segments = segments + (cur is None)
-                new_decodes = decodes - (cur is None)
+                new_segments = d.num_segments + (cur is None)
+                new_decodes = d.num_decodes - (cur is None)
                 for j in range(0 if cur is None else cur + 1, len(opts)):
                     o = opts[j]
                     d_tokens = o.num_tokens - cur_tokens
-                    if tokens + d_tokens - base_tokens > budget or o.expected_extra <= cur_extra:
+                    if d.num_tokens + d_tokens - base_tokens > budget or o.expected_extra <= cur_extra:
                         continue
-                    s = cost.predict(tokens + d_tokens, new_segments, new_decodes)
-                    rate = (yield_ + o.expected_extra - cur_extra) / s if s > 0 else math.inf
+                    s = cost.predict(d.num_tokens + d_tokens, new_segments, new_decodes)
+                    rate = (d.expected_tokens + o.expected_extra - cur_extra) / s if s > 0 else math.inf
                     if rate > best_rate * (1 + 1e-9):
-                        best, best_rate = (r, j, d_tokens, o.expected_extra - cur_extra, s), rate
+                        best, best_rate = (r, j, s), rate
             if best is None:
-                break
-            r, j, d_tokens, d_yield, seconds = best
-            segments += choices[r] is None
-            decodes -= choices[r] is None
-            choices[r] = j
-            tokens += d_tokens
-            yield_ += d_yield
-        return Decision(choices, tokens, segments, yield_, seconds, decodes)
+                return d
+            r, j, seconds = best
+            self._move(d, options, r, j)
+            d.predicted_seconds = seconds
+
+
+def _rate(d: Decision) -> float:
+    return d.expected_tokens / d.predicted_seconds if d.predicted_seconds > 0 else math.inf
 
 
 class FixedPolicy:

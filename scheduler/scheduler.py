@@ -267,7 +267,7 @@ class Scheduler:
             if req.num_computed_tokens + max(levels + cols - 2, n - 1) >= self.config.max_model_len:
                 continue  # the window would reach past the model's positions
             num_tokens = levels * cols + min(p.verification_set_size, num_found[n]) * (n - 1)
-            opts.append(Option(p, num_tokens, acceptance.expected_extra(p)))
+            opts.append(Option(p, num_tokens, acceptance.optimistic_extra(p)))
         return opts
 
     def observe_step(self, seconds: float) -> float | None:

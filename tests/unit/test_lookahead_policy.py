@@ -349,3 +349,28 @@ def test_lookahead_never_preempts_when_blocks_are_short():
     assert s.num_preemptions == 0
     assert all(seg.lookahead is None for so in outs for seg in so.scheduled)
     assert [len(seg.token_ids) for seg in outs[-1].scheduled] == [1, 1]
+
+
+def test_all_lookahead_wins_where_no_single_upgrade_pays():
+    # A step of segments alone skips the plain-decode path (10 ms here), so only upgrading every request
+    # pays: one upgrade costs a segment and keeps the overhead (4.5 tokens in 24 ms < 4 in 20 ms), all
+    # four drop it (6 tokens in 26 ms).
+    cost = StepCostModel([1, 64, 4096], [0.010, 0.010, 1.0], per_segment=0.004, decode_overhead=0.010,
+                         learning_rate=0.0)
+    p = LookaheadParams(4, 3, 4)
+    opts = [[Option(p, 16, 0.5)] for _ in range(4)]
+    d = AdaptivePolicy(cost).choose(opts, 4, 0, 4.0, 4096, 4)
+    assert d.choices == [0, 0, 0, 0] and d.num_decodes == 0 and d.num_tokens == 64
+    assert d.predicted_seconds == pytest.approx(0.026)
+    dear = StepCostModel([1, 64, 4096], [0.010, 0.030, 1.0], per_segment=0.004, decode_overhead=0.010,
+                         learning_rate=0.0)
+    assert AdaptivePolicy(dear).choose(opts, 4, 0, 4.0, 4096, 4).choices == [None] * 4
+
+
+def test_optimism_shrinks_with_evidence():
+    p = LookaheadParams(4, 3, 4)
+    a = AcceptanceModel(prior_multiplier=0.75)
+    first = a.optimistic_extra(p) / a.expected_extra(p)
+    for i in range(100):
+        a.observe(p, 2 if i % 3 == 0 else 1)  # a third of an extra token a step: about 0.75x the prior
+    assert 0.6 < a.multiplier < 0.9 and first > 1.4 and 1.0 < a.optimistic_extra(p) / a.expected_extra(p) < first
