@@ -1,8 +1,9 @@
 """The CPU backend: the reference's semantics, with the paged cache read a block at a time and every plain
 decode, and every lookahead segment, of a step attended in one batched call each.
 
-Measured on the 2-core CPU in bfloat16 (benchmarks/RESULTS.md, "Attention backend"), three costs dominate
-the reference at these sizes, none of them arithmetic:
+On the 2-core CPU in bfloat16, three costs dominate the reference at these sizes, none of them arithmetic
+(one-off timings of the ops, per layer, while writing this backend; whole steps are in
+``benchmarks/attention.py`` and benchmarks/RESULTS.md, "Attention backend"):
 
 * reading the cache slot by slot: ``cache[slots]`` over 16 contexts of 300 tokens took 2.5 ms a layer,
   the same keys read as whole blocks (``index_select`` over block ids) 0.11 ms;
