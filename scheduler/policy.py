@@ -176,7 +176,7 @@ class AdaptivePolicy:
             r = max(range(len(options)), key=lambda i: options[i][0].expected_extra / options[i][0].num_tokens
                     if options[i] else -1.0)
             if options[r] and options[r][0].num_tokens - 1 <= budget:
-                self._move(start, options, r, 0)
+                _set_rung(start, options, r, 0)
             start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
             return self._upgrade(start, options, base_tokens, budget)
         start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
@@ -186,7 +186,7 @@ class AdaptivePolicy:
                                0.0, start.num_decodes)
             for r, opts in enumerate(options):
                 if opts:
-                    self._move(uniform, options, r, min(j, len(opts) - 1))
+                    _set_rung(uniform, options, r, min(j, len(opts) - 1))
             if uniform.num_tokens - base_tokens > budget:
                 break  # rungs only grow
             uniform.predicted_seconds = cost.predict(uniform.num_tokens, uniform.num_segments, uniform.num_decodes)
@@ -199,18 +199,6 @@ class AdaptivePolicy:
             if _rate(other) > _rate(best) * (1 + 1e-9):
                 best = other
         return best
-
-    @staticmethod
-    def _move(d: Decision, options: Sequence[Sequence[Option]], r: int, j: int) -> None:
-        """Set request r to its rung j in ``d`` (tokens, segments, decodes and yield follow)."""
-        cur = d.choices[r]
-        old = options[r][cur] if cur is not None else None
-        o = options[r][j]
-        d.num_tokens += o.num_tokens - (old.num_tokens if old else 1)
-        d.expected_tokens += o.expected_extra - (old.expected_extra if old else 0.0)
-        d.num_segments += cur is None
-        d.num_decodes -= cur is None
-        d.choices[r] = j
 
     def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int) -> Decision:
         """Greedy: take the single upgrade that most raises the step's expected rate, while one does."""
@@ -237,8 +225,20 @@ class AdaptivePolicy:
             if best is None:
                 return d
             r, j, seconds = best
-            self._move(d, options, r, j)
+            _set_rung(d, options, r, j)
             d.predicted_seconds = seconds
+
+
+def _set_rung(d: Decision, options: Sequence[Sequence[Option]], r: int, j: int) -> None:
+    """Set request r to its rung j in ``d`` (tokens, segments, decodes and yield follow)."""
+    cur = d.choices[r]
+    old = options[r][cur] if cur is not None else None
+    o = options[r][j]
+    d.num_tokens += o.num_tokens - (old.num_tokens if old else 1)
+    d.expected_tokens += o.expected_extra - (old.expected_extra if old else 0.0)
+    d.num_segments += cur is None
+    d.num_decodes -= cur is None
+    d.choices[r] = j
 
 
 def _rate(d: Decision) -> float:
@@ -251,14 +251,9 @@ class FixedPolicy:
     name = "fixed"
 
     def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None) -> Decision:
-        choices: list[int | None] = [None] * len(options)
-        tokens, segments, yield_ = base_tokens, base_segments, base_yield
         decodes = len(options) if base_decodes is None else base_decodes
+        d = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
         for r, opts in enumerate(options):
-            if opts and tokens + opts[-1].num_tokens - 1 - base_tokens <= budget:
-                choices[r] = len(opts) - 1
-                tokens += opts[-1].num_tokens - 1
-                segments += 1
-                decodes -= 1
-                yield_ += opts[-1].expected_extra
-        return Decision(choices, tokens, segments, yield_, 0.0, decodes)
+            if opts and d.num_tokens + opts[-1].num_tokens - 1 - base_tokens <= budget:
+                _set_rung(d, options, r, len(opts) - 1)
+        return d
