@@ -28,6 +28,7 @@ import platform
 import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -140,21 +141,22 @@ def _prefix_match(a: list[int], b: list[int]) -> float:
 
 
 def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> str:
-    """Adaptive vs lookahead off vs fixed configs at each concurrency, one engine per policy, one run."""
+    """Adaptive vs lookahead off vs fixed configs at each concurrency, in one run on one engine: the
+    scheduler switches policy between modes, so every mode runs the same weights in the same memory."""
     budget = args.max_step_tokens
-    fixed = LLM(dtype=args.dtype, max_num_batched_tokens=budget, max_num_seqs=256)
-    log("profiling the step cost for the adaptive engine ...")
-    adaptive = LLM(dtype=args.dtype, max_num_batched_tokens=budget, max_num_seqs=256, lookahead_policy="adaptive")
-    cost = adaptive.engine.scheduler.cost_model
+    log("profiling the step cost ...")
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=budget, max_num_seqs=256, lookahead_policy="adaptive")
+    cost = llm.engine.scheduler.cost_model
     profile = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in zip(cost.knots, cost.seconds))
-    modes = [("off", fixed, OFF)] + [(Row("", "", c, [], [], 0).label, fixed, c) for c in args.fixed] + [
-        (f"adaptive (max {Row('', '', args.adaptive_max, [], [], 0).label[1:-1]})", adaptive, args.adaptive_max)]
+    adaptive_chosen: Counter[str] = Counter()
+    modes = [("off", "fixed", OFF)] + [(Row("", "", c, [], [], 0).label, "fixed", c) for c in args.fixed] + [
+        (f"adaptive (max {Row('', '', args.adaptive_max, [], [], 0).label[1:-1]})", "adaptive", args.adaptive_max)]
     lines = [
         f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max({args.min_prompts}, c) prompts "
         f"of each set at concurrency c (max_num_seqs = c), token budget {budget} per step. Each (set, c) runs every mode "
         f"{args.rounds} times, in order then in reverse order and so on, so that the machine's drift falls on every mode "
         f"alike; tokens, steps and wall seconds are totals over the rounds. Fixed configs whose c x step tokens "
-        f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). Step-cost profile of the adaptive engine "
+        f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). All modes run on one engine, which switches policy between them. Step-cost profile at start-up "
         f"(tokens: ms): {profile}; {cost.per_segment * 1e3:.2f} ms per looped segment, "
         f"{cost.per_decode * 1e3:.2f} ms per plain decode, {cost.decode_overhead * 1e3:.2f} ms for a step having plain "
         "decodes.\n",
@@ -165,16 +167,18 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     for name, all_prompts in sets.items():
         for c in args.concurrency:
             prompts = all_prompts[: max(args.min_prompts, c)]
-            runnable = [(label, llm, config) for label, llm, config in modes
-                        if config.is_plain or llm is not fixed or c * step_tokens(
+            runnable = [(label, policy, config) for label, policy, config in modes
+                        if config.is_plain or policy == "adaptive" or c * step_tokens(
                             config.window_size, config.ngram_size, config.verification_set_size) <= args.max_fixed_step_tokens]
             # Per mode: outputs of the first round, wall seconds, tokens, steps, model |error| and step seconds.
             acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True] for label, _, _ in runnable}
             for rnd in range(args.rounds):
-                for label, llm, config in (runnable if rnd % 2 == 0 else runnable[::-1]):
+                for label, policy, config in (runnable if rnd % 2 == 0 else runnable[::-1]):
                     eng = llm.engine
+                    eng.scheduler.set_lookahead_policy(policy)
                     eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c)
                     before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
+                    chosen_before = Counter(eng.lookahead_chosen)
                     log(f"{name} c={c} {label} on {len(prompts)} prompts, round {rnd + 1}/{args.rounds} ...")
                     outs, seconds = run(llm, prompts, config, args.max_tokens, False)
                     a = acc[label]
@@ -186,9 +190,10 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                     a[1] += seconds
                     a[2] += sum(o.metrics.num_output_tokens for o in outs)
                     a[3] += sum(o.metrics.num_steps for o in outs)
-                    if eng.scheduler.cost_model is not None:
-                        a[4] += eng.step_abs_error_seconds_total - before[0]
-                        a[5] += eng.step_seconds_total - before[1]
+                    if policy == "adaptive":
+                        adaptive_chosen.update(eng.lookahead_chosen - chosen_before)
+                    a[4] += eng.step_abs_error_seconds_total - before[0]
+                    a[5] += eng.step_seconds_total - before[1]
                     log(f"  {a[2] / a[3]:.3f} tokens/step, {a[2] / a[1]:.1f} tok/s so far")
             off_ids = [o.outputs[0].token_ids for o in acc["off"][0]]
             rates = {lab: a[2] / a[1] for lab, a in acc.items()}
@@ -208,9 +213,8 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                     f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if stable else ' (varied by round)'} | "
                     f"{match * 100:.1f}% |"
                 )
-    chosen = ", ".join(f"{k}: {v}" for k, v in adaptive.engine.lookahead_chosen.most_common(8))
-    lines.append(f"\nAdaptive engine, lookahead segments run by (w,n,g), most common first: {chosen or 'none'}; "
-                 f"{adaptive.engine.num_steps} steps in all.")
+    chosen = ", ".join(f"{k}: {v}" for k, v in adaptive_chosen.most_common(8))
+    lines.append(f"\nAdaptive mode, lookahead segments run by (w,n,g), most common first: {chosen or 'none'}.")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import replace
 
 from kv_cache import KVCacheManager
 from scheduler.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -38,13 +39,10 @@ class Scheduler:
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be set before building a Scheduler")
-        if config.lookahead_policy == "adaptive" and cost_model is None:
-            raise ValueError("the adaptive lookahead policy needs a step-cost model")
         self.config = config
         self.kv = kv_manager
         self.cost_model = cost_model
-        self.policy = (AdaptivePolicy(cost_model, config.lookahead_explore_every)
-                       if config.lookahead_policy == "adaptive" else FixedPolicy())
+        self.set_lookahead_policy(config.lookahead_policy)
         self._acceptance: dict[str, AcceptanceModel] = {}
         # Every request's lookahead steps together, slowly discounted: where a new request's model starts.
         self._acceptance_all = AcceptanceModel(prior_weight=8.0, decay=0.999)
@@ -55,6 +53,15 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+
+    def set_lookahead_policy(self, name: str) -> None:
+        """Switch between the "fixed" and "adaptive" lookahead policies from the next step on (the
+        acceptance and step-cost models carry over)."""
+        if name == "adaptive" and self.cost_model is None:
+            raise ValueError("the adaptive lookahead policy needs a step-cost model")
+        self.config = replace(self.config, lookahead_policy=name)  # validates the name
+        self.policy = (AdaptivePolicy(self.cost_model, self.config.lookahead_explore_every)
+                       if name == "adaptive" else FixedPolicy())
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -328,6 +328,23 @@ def test_adaptive_scheduler_follows_the_cost_model():
     assert all(seg.lookahead is None for so in outs for seg in so.scheduled)
 
 
+def test_switching_policy_between_steps_takes_effect_on_the_next_step():
+    s = _adaptive_scheduler(linear_cost())  # compute bound: adaptive decodes plainly
+    for i in range(2):
+        s.add_request(_request(f"r{i}"))
+    assert all(seg.lookahead is None for so in _run(s, 2) for seg in so.scheduled)
+    s.set_lookahead_policy("fixed")
+    assert s.config.lookahead_policy == "fixed"
+    assert all(seg.lookahead is not None for seg in _run(s, 1)[0].scheduled)
+    s.set_lookahead_policy("adaptive")
+    assert all(seg.lookahead is None for seg in _run(s, 1)[0].scheduled)
+    with pytest.raises(ValueError, match="lookahead_policy"):
+        s.set_lookahead_policy("greedy")
+    plain = Scheduler(SchedulerConfig(max_model_len=64), KVCacheManager(16, 4))
+    with pytest.raises(ValueError, match="step-cost model"):
+        plain.set_lookahead_policy("adaptive")
+
+
 def test_prefill_keeps_its_place_in_the_budget():
     s = _adaptive_scheduler(flat_cost(), budget=64)
     s.add_request(_request("a"))
