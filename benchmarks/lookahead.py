@@ -155,7 +155,8 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
         f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max({args.min_prompts}, c) prompts "
         f"of each set at concurrency c (max_num_seqs = c), token budget {budget} per step. Each (set, c) runs every mode "
         f"{args.rounds} times, in order then in reverse order and so on, so that the machine's drift falls on every mode "
-        f"alike; tokens, steps and wall seconds are totals over the rounds. Fixed configs whose c x step tokens "
+        f"alike; tokens, steps and wall seconds are totals over the rounds, and 'vs best other' gives in brackets the "
+        f"lowest and highest ratio in single rounds (the machine's noise). Fixed configs whose c x step tokens "
         f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). All modes run on one engine, which switches policy between them. Step-cost profile at start-up "
         f"(tokens: ms): {profile}; {cost.per_segment * 1e3:.2f} ms per looped segment, "
         f"{cost.per_decode * 1e3:.2f} ms per plain decode, {cost.decode_overhead * 1e3:.2f} ms for a step having plain "
@@ -171,7 +172,7 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                         if config.is_plain or policy == "adaptive" or c * step_tokens(
                             config.window_size, config.ngram_size, config.verification_set_size) <= args.max_fixed_step_tokens]
             # Per mode: outputs of the first round, wall seconds, tokens, steps, model |error| and step seconds.
-            acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True] for label, _, _ in runnable}
+            acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True, []] for label, _, _ in runnable}
             for rnd in range(args.rounds):
                 for label, policy, config in (runnable if rnd % 2 == 0 else runnable[::-1]):
                     eng = llm.engine
@@ -188,6 +189,7 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                     else:
                         a[6] &= ids == [o.outputs[0].token_ids for o in a[0]]  # same outputs every round
                     a[1] += seconds
+                    a[7].append(sum(o.metrics.num_output_tokens for o in outs) / seconds)
                     a[2] += sum(o.metrics.num_output_tokens for o in outs)
                     a[3] += sum(o.metrics.num_steps for o in outs)
                     if policy == "adaptive":
@@ -201,15 +203,18 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                 if lab not in acc:
                     lines.append(f"| {name} | {c} | {lab} | {len(prompts)} | skipped | | | | | | | | | |")
                     continue
-                outs, seconds, toks, steps, d_err, d_sec, stable = acc[lab]
+                outs, seconds, toks, steps, d_err, d_sec, stable, per_round = acc[lab]
                 err = d_err / d_sec if d_sec else None
                 ids = [o.outputs[0].token_ids for o in outs]
-                best_other = max(v for k, v in rates.items() if k != lab)
+                best_label = max((k for k in rates if k != lab), key=rates.__getitem__)
+                best_other = rates[best_label]
+                spread = [r / b for r, b in zip(per_round, acc[best_label][7])]
                 same = sum(a == b for a, b in zip(ids, off_ids))
                 match = sum(_prefix_match(a, b) for a, b in zip(ids, off_ids)) / len(ids)
                 lines.append(
                     f"| {name} | {c} | {lab} | {len(prompts)} | {toks} | {steps} | {toks / steps:.3f} | {seconds:.1f} | "
-                    f"{rates[lab]:.1f} | {rates[lab] / rates['off']:.2f}x | {rates[lab] / best_other:.2f}x | "
+                    f"{rates[lab]:.1f} | {rates[lab] / rates['off']:.2f}x | {rates[lab] / best_other:.2f}x "
+                    f"({min(spread):.2f}-{max(spread):.2f}) | "
                     f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if stable else ' (varied by round)'} | "
                     f"{match * 100:.1f}% |"
                 )

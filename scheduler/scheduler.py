@@ -186,8 +186,9 @@ class Scheduler:
                 req.accepted_lengths[len(sampled)] += 1
                 if seg.lookahead.num_candidates:
                     req.lookahead.num_pool_hits += 1
-                self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled))
-                self._acceptance_all.observe(req.lookahead_step, len(sampled))
+                found = seg.lookahead.num_candidates > 0
+                self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled), found)
+                self._acceptance_all.observe(req.lookahead_step, len(sampled), found)
             else:
                 req.num_computed_tokens += len(seg.token_ids)
                 if sampled and req.lookahead is not None:
@@ -274,7 +275,7 @@ class Scheduler:
             if req.num_computed_tokens + max(levels + cols - 2, n - 1) >= self.config.max_model_len:
                 continue  # the window would reach past the model's positions
             num_tokens = levels * cols + min(p.verification_set_size, num_found[n]) * (n - 1)
-            opts.append(Option(p, num_tokens, acceptance.optimistic_extra(p)))
+            opts.append(Option(p, num_tokens, acceptance.optimistic_extra(p, num_found[n] > 0)))
         return opts
 
     def observe_step(self, seconds: float) -> float | None:
