@@ -223,6 +223,54 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     return "\n".join(lines)
 
 
+def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> str:
+    """What a lookahead step whose pool lookup finds no candidate is worth (``scheduler.policy.WINDOW_VALUE``):
+    each of ``--configs``, fixed, at concurrency 1 on the first ``--min-prompts`` prompts of each set, once as
+    is and once with such steps decoded plainly instead (their window then does not advance). The extra
+    tokens lost per step so replaced, over the prior gain of the config, is the window's value."""
+    from scheduler import Scheduler
+    from scheduler.policy import prior_gain
+
+    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.max_step_tokens, max_num_seqs=1)
+    options = Scheduler._options
+
+    def with_candidates_only(self, req):
+        state = req.lookahead
+        if not state.pool.lookup(req.all_token_ids[-1], 1, state.ngram_size - 1):
+            return []
+        return options(self, req)
+
+    lines = [
+        f"\n\nWindow-only steps: {args.dtype}, greedy, {args.max_tokens} new tokens, concurrency 1, the first "
+        f"{args.min_prompts} prompts of each set. 'window-only steps' counts the steps that found no candidate when run "
+        "as usual; 'value' = extra tokens lost per such step / the prior gain of the config.\n",
+        "| prompts | (W,N,G) | tokens/step as usual | window-only steps | tokens/step without them | value |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    try:
+        for config in args.configs:
+            for name, all_prompts in sets.items():
+                prompts = all_prompts[: args.min_prompts]
+                res = []
+                for skip in (False, True):
+                    Scheduler._options = with_candidates_only if skip else options
+                    outs, _ = run(llm, prompts, config, args.max_tokens, False)
+                    toks = sum(o.metrics.num_output_tokens for o in outs)
+                    steps = sum(o.metrics.num_steps for o in outs)
+                    dry = sum(sum(o.metrics.accepted_lengths.values()) - o.metrics.pool_hits for o in outs)
+                    res.append((toks, steps, dry))
+                (t0, s0, dry0), (t1, s1, _) = res
+                lost = (t0 - s0) - (t1 - s1)
+                gain = prior_gain(config.window_size, config.ngram_size, config.verification_set_size)
+                label = Row("", "", config, [], [], 0).label
+                lines.append(f"| {name} | {label} | {t0 / s0:.3f} | {dry0} | {t1 / s1:.3f} | "
+                             f"{lost / dry0 / gain if dry0 else float('nan'):.2f} |")
+                log(lines[-1])
+    finally:
+        Scheduler._options = options
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mt-bench", type=Path, default=DATA / "mt_bench_questions.jsonl")
@@ -251,7 +299,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-fixed-step-tokens", type=int, default=1024,
                     help="skip a fixed config at a concurrency whose full steps exceed this many tokens (time)")
     ap.add_argument("--results", type=Path, help="append a dated Markdown section to this file")
+    ap.add_argument("--window-value", action="store_true",
+                    help="measure what a lookahead step without candidates is worth, for each of --configs")
     args = ap.parse_args(argv)
+    if args.window_value:
+        llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)
+        sets = load_prompts(llm0, args.mt_bench, args.humaneval, args.min_prompts)
+        del llm0
+        text = (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}\n\nCommand: "
+                f"`{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`" + window_value_study(args, sets))
+        print(text)
+        if args.results:
+            with open(args.results, "a") as f:
+                f.write(f"\n## Lookahead window value, {datetime.date.today()}\n\n{text}\n")
+        return
     if args.concurrency:
         llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)
         sets = load_prompts(llm0, args.mt_bench, args.humaneval, max(args.concurrency + [args.min_prompts]))
