@@ -14,6 +14,10 @@ greedy decoding token for token.
 
     .venv/bin/python benchmarks/lookahead.py --results benchmarks/RESULTS.md
 
+``--concurrency 1,4,16,32`` runs the scheduling study instead (``concurrency_study``: adaptive vs off vs
+fixed configs, one engine), and ``--window-value`` what a lookahead step without candidates is worth
+(``window_value_study``).
+
 Prompt files default to ../shared/data (``--mt-bench``, ``--humaneval``).
 """
 
@@ -227,7 +231,8 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
     """What a lookahead step whose pool lookup finds no candidate is worth (``scheduler.policy.WINDOW_VALUE``):
     each of ``--configs``, fixed, at concurrency 1 on the first ``--min-prompts`` prompts of each set, once as
     is and once with such steps decoded plainly instead (their window then does not advance). The extra
-    tokens lost per step so replaced, over the prior gain of the config, is the window's value."""
+    tokens lost per step so replaced, over the prior gain of the config, is the window's value (bf16 outputs
+    of the two runs may differ in length, so the loss is taken per output token)."""
     from scheduler import Scheduler
     from scheduler.policy import prior_gain
 
@@ -243,7 +248,8 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
     lines = [
         f"\n\nWindow-only steps: {args.dtype}, greedy, {args.max_tokens} new tokens, concurrency 1, the first "
         f"{args.min_prompts} prompts of each set. 'window-only steps' counts the steps that found no candidate when run "
-        "as usual; 'value' = extra tokens lost per such step / the prior gain of the config.\n",
+        "as usual; 'value' = extra tokens lost per such step (the usual run's tokens times the change in steps per "
+        "token) / the prior gain of the config.\n",
         "| prompts | (W,N,G) | tokens/step as usual | window-only steps | tokens/step without them | value |",
         "|---|---|---:|---:|---:|---:|",
     ]
@@ -260,7 +266,7 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
                     dry = sum(sum(o.metrics.accepted_lengths.values()) - o.metrics.pool_hits for o in outs)
                     res.append((toks, steps, dry))
                 (t0, s0, dry0), (t1, s1, _) = res
-                lost = (t0 - s0) - (t1 - s1)
+                lost = t0 * (s1 / t1 - s0 / t0)  # steps the usual run would need more, at its own token count
                 gain = prior_gain(config.window_size, config.ngram_size, config.verification_set_size)
                 label = Row("", "", config, [], [], 0).label
                 lines.append(f"| {name} | {label} | {t0 / s0:.3f} | {dry0} | {t1 / s1:.3f} | "
