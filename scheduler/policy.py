@@ -35,9 +35,9 @@ PRIOR_SCALE = 0.9
 # Share of lookahead steps whose pool lookup finds candidates (MT-bench chats at (4,3,4): 0.55).
 PRIOR_HIT_RATE = 0.55
 # What a step without candidates is worth, as a share of the prior: its window's n-grams, for later steps.
-# Measured on the default model, bf16, 4 prompts, concurrency 1: running such steps plainly instead cut the
-# tokens per step of fixed (4,3,4) on MT-bench from 1.333 to 1.264 and of (7,4,7) from 1.488 to 1.418, about
-# 0.12 extra tokens per skipped step, or 0.25-0.35 of the prior times the prompts' multiplier.
+# Measured on the default model, bf16, 4 prompts, concurrency 1 (benchmarks/lookahead.py --window-value):
+# running such steps plainly instead cut the tokens per step of fixed (4,3,4) on MT-bench from 1.333 to 1.264
+# and of (7,4,7) from 1.488 to 1.418; per such step that is 0.18-0.52 of the prior (benchmarks/RESULTS.md).
 WINDOW_VALUE = 0.3
 _WINDOWS = (2, 3, 4, 5, 7, 10, 15, 20, 30)
 
