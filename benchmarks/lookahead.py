@@ -192,9 +192,10 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                         a[0] = outs
                     else:
                         a[6] &= ids == [o.outputs[0].token_ids for o in a[0]]  # same outputs every round
+                    toks = sum(o.metrics.num_output_tokens for o in outs)
                     a[1] += seconds
-                    a[7].append(sum(o.metrics.num_output_tokens for o in outs) / seconds)
-                    a[2] += sum(o.metrics.num_output_tokens for o in outs)
+                    a[2] += toks
+                    a[7].append(toks / seconds)
                     a[3] += sum(o.metrics.num_steps for o in outs)
                     if policy == "adaptive":
                         adaptive_chosen.update(eng.lookahead_chosen - chosen_before)
@@ -277,6 +278,19 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
     return "\n".join(lines)
 
 
+def _header() -> str:
+    return (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`")
+
+
+def _emit(text: str, heading: str, results: Path | None) -> None:
+    """Print ``text``; with ``results``, append it there as a dated Markdown section."""
+    print(text)
+    if results:
+        with open(results, "a") as f:
+            f.write(f"\n## {heading}, {datetime.date.today()}\n\n{text}\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mt-bench", type=Path, default=DATA / "mt_bench_questions.jsonl")
@@ -308,28 +322,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window-value", action="store_true",
                     help="measure what a lookahead step without candidates is worth, for each of --configs")
     args = ap.parse_args(argv)
-    if args.window_value:
-        llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)
-        sets = load_prompts(llm0, args.mt_bench, args.humaneval, args.min_prompts)
-        del llm0
-        text = (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}\n\nCommand: "
-                f"`{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`" + window_value_study(args, sets))
-        print(text)
-        if args.results:
-            with open(args.results, "a") as f:
-                f.write(f"\n## Lookahead window value, {datetime.date.today()}\n\n{text}\n")
-        return
-    if args.concurrency:
-        llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)
+    study = window_value_study if args.window_value else concurrency_study if args.concurrency else None
+    if study is not None:
+        llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)  # only for the chat template
         sets = load_prompts(llm0, args.mt_bench, args.humaneval, max(args.concurrency + [args.min_prompts]))
         del llm0
-        text = (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                f"{torch.get_num_threads()} threads\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`"
-                + concurrency_study(args, sets))
-        print(text)
-        if args.results:
-            with open(args.results, "a") as f:
-                f.write(f"\n## Lookahead scheduling, {datetime.date.today()}\n\n{text}\n")
+        heading = "Lookahead window value" if args.window_value else "Lookahead scheduling"
+        _emit(_header() + study(args, sets), heading, args.results)
         return
 
     budget = max(step_tokens(c.window_size, c.ngram_size, c.verification_set_size) for c in args.configs)
@@ -356,16 +355,11 @@ def main(argv: list[str] | None = None) -> None:
                 log(f"  {row.ratio():.3f} tokens/step, {seconds:.1f} s, identical={row.identical}")
                 rows.append(row)
     seed_rows = seed_study(llm, sets, args) if args.seeds else ""
-    machine = f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
     text = (
-        f"Machine: {machine}\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`\n\n"
-        f"Greedy, {args.dtype}, at most {args.max_tokens} new tokens (EOS ends a request), default model.\n\n{table(rows) if rows else ''}"
-        f"{seed_rows}"
+        f"{_header()}\n\nGreedy, {args.dtype}, at most {args.max_tokens} new tokens (EOS ends a request), default "
+        f"model.\n\n{table(rows) if rows else ''}{seed_rows}"
     )
-    print(text)
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write(f"\n## Lookahead decoding, {datetime.date.today()}\n\n{text}\n")
+    _emit(text, "Lookahead decoding", args.results)
 
 
 if __name__ == "__main__":
