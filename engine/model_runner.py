@@ -181,7 +181,7 @@ class ModelRunner:
     @staticmethod
     def _lookahead_rows(lay: LookaheadLayout, lo: int) -> list[int]:
         """Rows of the step whose logits a lookahead segment needs: x, the newest level, the candidates."""
-        top = lay.level_start(lay.num_levels - 1)
+        top = lay.level_start(lay.num_levels - 1) if lay.num_levels else 1
         cand_lo = lay.num_window_tokens
         return ([lo] + list(range(lo + top, lo + top + lay.num_last_level))
                 + list(range(lo + cand_lo, lo + cand_lo + lay.num_candidates * lay.candidate_len)))

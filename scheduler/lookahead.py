@@ -21,6 +21,9 @@ the newest level as a new level, so C shrinks by one per step until there are N-
 window adds nothing to the pool during warm-up, but candidates already in the pool (the prompt's and the
 output's n-grams) are verified from the first step: verification is lossless whatever the candidates,
 and on MT-bench this lifts the (15,5,15) compression ratio from 1.783 to 1.794 (benchmarks/RESULTS.md).
+
+A verification-only step (window size 0) carries x and the candidates alone: its layout has no levels,
+and the window, if the request has one, stays as it is until the next step that runs it.
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ class LookaheadLayout:
     """Shape of one request's lookahead segment: what the runner needs to build positions and mask.
 
     Token order: x, level 0 columns 1..C-1, level 1 columns 0..C-1, ..., level L-1, then each candidate's
-    ``candidate_len`` tokens.
+    ``candidate_len`` tokens. A verification-only step has L = 0 (and C = 1): x, then the candidates.
     """
 
-    num_levels: int  # L >= 1
-    num_cols: int  # C >= 2
+    num_levels: int  # L >= 1, or 0 for verification only
+    num_cols: int  # C >= 2 (1 when L = 0)
     num_candidates: int  # g >= 0
     candidate_len: int  # N - 1
 
     @property
     def num_window_tokens(self) -> int:
+        if self.num_levels == 0:
+            return 1
         return 1 + (self.num_cols - 1) + (self.num_levels - 1) * self.num_cols
 
     @property
@@ -54,6 +59,9 @@ class LookaheadLayout:
 
     @property
     def num_last_level(self) -> int:
+        """Tokens of the newest level, whose outputs advance the window (0 without a window)."""
+        if self.num_levels == 0:
+            return 0
         return self.num_cols - 1 if self.num_levels == 1 else self.num_cols
 
     def level_start(self, level: int) -> int:
@@ -70,7 +78,7 @@ class LookaheadLayout:
         its chain of ancestors, so it sees exactly one token at each earlier offset.
         """
         offsets, parents = [0], [-1]
-        for c in range(1, self.num_cols):  # level 0: row 0 is causal within itself
+        for c in range(1, self.num_cols if self.num_levels else 1):  # level 0: row 0 is causal within itself
             offsets.append(c)
             parents.append(c - 1)
         for level in range(1, self.num_levels):
@@ -88,7 +96,9 @@ class LookaheadLayout:
 
 
 def step_tokens(window_size: int, ngram_size: int, num_candidates: int) -> int:
-    """Tokens of one steady-state step: 1 + (W-1) + (N-2)W + g(N-1)."""
+    """Tokens of one steady-state step: 1 + (W-1) + (N-2)W + g(N-1); 1 + g(N-1) for verification only."""
+    if window_size == 0:
+        return 1 + num_candidates * (ngram_size - 1)
     return LookaheadLayout(ngram_size - 1, window_size, num_candidates, ngram_size - 1).num_tokens
 
 
@@ -149,15 +159,18 @@ class LookaheadState:
 
     ``window_size`` and ``ngram_size`` are what the window runs now; ``resize`` changes them between
     steps (the lookahead scheduler does, up to the request's maximum), and the pool keeps n-grams up to
-    the largest n the request may use.
+    the largest n the request may use. ``window_size`` 0 makes a state without a window, whose steps only
+    verify (``plan_verify``); a state with a window may skip it for a step the same way.
     """
 
     def __init__(
         self, window_size: int, ngram_size: int, pool_cap: int, prompt: Sequence[int], eos_ids: frozenset[int],
         seed: int = 0, max_ngram_size: int | None = None,
     ) -> None:
-        if window_size < 2 or ngram_size < 3:
-            raise ValueError(f"lookahead needs window_size >= 2 and ngram_size >= 3, got ({window_size}, {ngram_size})")
+        if window_size == 1 or window_size < 0 or ngram_size < 3:
+            raise ValueError(
+                f"lookahead needs window_size >= 2 (or 0: verification only) and ngram_size >= 3, got ({window_size}, {ngram_size})"
+            )
         max_ngram_size = max(ngram_size, max_ngram_size or 0)
         self.window_size = window_size
         self.ngram_size = ngram_size
@@ -167,7 +180,8 @@ class LookaheadState:
         self._filler = [t for t in prompt if t not in eos_ids] or list(prompt)
         self._eos_ids = eos_ids
         first = [self._rng.choice(self._filler) for _ in range(window_size + ngram_size - 3)]
-        self.levels: list[list[int]] = [first]  # level 0 holds columns 1..C-1
+        # level 0 holds columns 1..C-1; no levels at all without a window
+        self.levels: list[list[int]] = [first] if window_size else []
         self.num_pool_hits = 0
         self._tail = list(prompt[-(max_ngram_size - 1) :])
 
@@ -184,6 +198,8 @@ class LookaheadState:
         A window with fewer levels than n-1 grows them by warming up again. Every token of the window is
         a guess, so any reshaping is lossless: it only changes what the window finds next.
         """
+        if not self.levels:
+            raise ValueError("resize needs a window: this request verifies only")
         if window_size < 2 or not 3 <= ngram_size <= self.pool.ngram_size:
             raise ValueError(
                 f"resize needs window_size >= 2 and 3 <= ngram_size <= {self.pool.ngram_size}, got ({window_size}, {ngram_size})"
@@ -207,6 +223,8 @@ class LookaheadState:
 
     def plan(self, x: int, max_candidates: int) -> tuple[LookaheadLayout, list[int]]:
         """Layout and token ids of this step's segment (x, window levels, candidates)."""
+        if not self.levels:
+            return self.plan_verify(x, self.ngram_size, max_candidates)
         candidates = self.pool.lookup(x, max_candidates, self.ngram_size - 1)
         tokens = [x]
         for level in self.levels:
@@ -216,12 +234,27 @@ class LookaheadState:
         layout = LookaheadLayout(len(self.levels), self.num_cols, len(candidates), self.ngram_size - 1)
         return layout, tokens
 
+    def plan_verify(self, x: int, ngram_size: int, max_candidates: int) -> tuple[LookaheadLayout, list[int]]:
+        """Layout and token ids of a verification-only segment: x, then up to ``max_candidates`` of the
+        pool's continuations of x, ``ngram_size - 1`` tokens each (the window is left as it is)."""
+        if not 3 <= ngram_size <= self.pool.ngram_size:
+            raise ValueError(f"plan_verify needs 3 <= ngram_size <= {self.pool.ngram_size}, got {ngram_size}")
+        candidates = self.pool.lookup(x, max_candidates, ngram_size - 1)
+        tokens = [x]
+        for cand in candidates:
+            tokens.extend(cand)
+        return LookaheadLayout(0, 1, len(candidates), ngram_size - 1), tokens
+
     def update(self, x: int, last_level_outputs: Sequence[int], accepted: Sequence[int]) -> None:
         """Advance the window given the model's outputs at the newest level, and learn from ``accepted``.
 
         ``last_level_outputs``: the model's argmax at each token of the newest level (columns 1..C-1 for
-        level 0, 0..C-1 for higher levels). ``accepted``: the output tokens this step produced.
+        level 0, 0..C-1 for higher levels). ``accepted``: the output tokens this step produced. A verification-only step (no outputs) only
+        learns from ``accepted``.
         """
+        if not last_level_outputs:
+            self.add_output(accepted)
+            return
         outs = [self._no_eos(t) for t in last_level_outputs]
         if not self.warm:
             # Each level drops its first column (its offsets move one closer to x); the outputs, which guess

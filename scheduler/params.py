@@ -16,7 +16,9 @@ class LookaheadParams:
 
     window_size W: future positions worked on per step. ngram_size N: n-gram length (at most N tokens
     accepted per step). verification_set_size G: n-grams verified per step, and the pool's cap per key.
-    ``LookaheadParams(enabled=False)`` or (1, 1, 0) is plain decoding.
+    ``LookaheadParams(enabled=False)`` or (1, 1, 0) is plain decoding. window_size 0 runs no window: each
+    step only verifies the pool's n-grams (those of the prompt and the output; n-gram or prompt-lookup
+    speculation), at most G of them.
     """
 
     window_size: int = 4
@@ -31,14 +33,23 @@ class LookaheadParams:
                 raise ValueError(f"lookahead.{name} must be a non-negative int, got {value!r}")
         if self.is_plain:
             return
-        if self.window_size < 2:
-            raise ValueError(f"lookahead.window_size must be at least 2 (or 1 with ngram_size 1), got {self.window_size}")
+        if self.window_size == 1 or (self.window_size == 0 and self.verification_set_size < 1):
+            raise ValueError(
+                "lookahead.window_size must be at least 2, or 0 (verification only) with verification_set_size "
+                f"at least 1, or 1 with ngram_size 1 (plain), got ({self.window_size}, {self.ngram_size}, "
+                f"{self.verification_set_size})"
+            )
         if self.ngram_size < 3:
             raise ValueError(f"lookahead.ngram_size must be at least 3 (or 1 for plain decoding), got {self.ngram_size}")
 
     @property
     def is_plain(self) -> bool:
         return not self.enabled or (self.window_size <= 1 and self.ngram_size <= 1)
+
+    @property
+    def verify_only(self) -> bool:
+        """No window: the step verifies candidates from the pool and nothing else."""
+        return not self.is_plain and self.window_size == 0
 
 
 @dataclass

@@ -4,7 +4,8 @@ tokens per second of step time.
 Pure Python. Three parts:
 
 * the **ladder** of a request: the (w, n, g) it may run, from its own maximum down, keeping only rungs that
-  the prior says buy more accepted tokens than every smaller rung (plain decoding is the rung below all);
+  the prior says buy more accepted tokens than every smaller rung (plain decoding is the rung below all),
+  and verification-only rungs (w = 0: the pool's candidates without a window) beside them;
 * the **acceptance model** of a request: expected extra tokens per step (beyond the one every step
   gives) = ``prior_gain(w, n, g)`` times a per-request multiplier learnt from its own lookahead steps;
 * the **policy**: given the step's committed part (prefill chunks and plain decodes, which keep their place
@@ -44,59 +45,76 @@ _WINDOWS = (2, 3, 4, 5, 7, 10, 15, 20, 30)
 
 @functools.lru_cache(maxsize=4096)
 def prior_gain(window_size: int, ngram_size: int, verification_set_size: int) -> float:
+    """Expected extra tokens per step, over all steps (with candidates or not). A verification-only step
+    (w = 0) verifies what the window (g, n, g) would, but adds no n-grams for later steps: the window's part,
+    ``WINDOW_VALUE`` of the prior per step, comes off the steps that find candidates."""
     w, n, g = window_size, ngram_size, verification_set_size
-    if n < 3 or w < 2 or g < 1:
+    if n < 3 or g < 1 or w == 1 or w < 0:
         return 0.0
-    return PRIOR_SCALE * (1 - math.exp(-min(w, g) / 4)) * (1 - 0.5 ** (n - 1))
+    gain = PRIOR_SCALE * (1 - math.exp(-(min(w, g) if w else g) / 4)) * (1 - 0.5 ** (n - 1))
+    return gain if w else gain * (1 - WINDOW_VALUE * PRIOR_HIT_RATE)
 
 
 @functools.lru_cache(maxsize=1024)
 def ladder(maximum: LookaheadParams) -> tuple[LookaheadParams, ...]:
-    """The (w, n, g) a request whose maximum is ``maximum`` may run, fewest tokens first; each rung's prior
-    gain exceeds every cheaper rung's. Always includes ``maximum`` itself."""
+    """The (w, n, g) a request whose maximum is ``maximum`` may run, fewest tokens first. Two kinds of rung,
+    each keeping only rungs whose prior gain exceeds every cheaper rung's of its kind: with a window
+    (always including ``maximum`` itself), and verification only, (0, n, g) up to (0, N, G). A request whose
+    maximum has no window has only the latter."""
     if maximum.is_plain:
         return ()
     W, N, G = maximum.window_size, maximum.ngram_size, maximum.verification_set_size
-    grid = {
-        LookaheadParams(w, n, max(1, round(w * G / W)) if G else 0)
-        for w in sorted({*(x for x in _WINDOWS if x < W), W})
-        for n in range(3, N + 1)
-    }
-    grid.add(maximum)
-    rungs = sorted(grid, key=lambda p: (step_tokens(p.window_size, p.ngram_size, p.verification_set_size), -prior_gain(
-        p.window_size, p.ngram_size, p.verification_set_size)))
+    if W:
+        windows = sorted({*(x for x in _WINDOWS if x < W), W})
+        grid = {LookaheadParams(w, n, max(1, round(w * G / W)) if G else 0) for w in windows for n in range(3, N + 1)}
+        grid.add(maximum)
+        sizes = {p.verification_set_size for p in grid if p.verification_set_size}
+        rungs = _monotone(grid, maximum)
+    else:
+        sizes, rungs = {*(x for x in _WINDOWS if x < G), G}, []
+    verify = {LookaheadParams(0, n, g) for g in sizes for n in range(3, N + 1)} | ({maximum} if not W else set())
+    return tuple(sorted(rungs + _monotone(verify, None if W else maximum), key=_tokens))
+
+
+def _tokens(p: LookaheadParams) -> int:
+    return step_tokens(p.window_size, p.ngram_size, p.verification_set_size)
+
+
+def _monotone(grid: set[LookaheadParams], keep: LookaheadParams | None) -> list[LookaheadParams]:
+    """The rungs of ``grid``, fewest tokens first, whose prior gain beats every cheaper one's (and ``keep``)."""
     out: list[LookaheadParams] = []
     best = 0.0
-    for p in rungs:
+    for p in sorted(grid, key=lambda p: (_tokens(p), -prior_gain(p.window_size, p.ngram_size, p.verification_set_size))):
         gain = prior_gain(p.window_size, p.ngram_size, p.verification_set_size)
-        if gain > best or p == maximum:
+        if gain > best or p == keep:
             out.append(p)
             best = max(best, gain)
-    return tuple(out)
+    return out
 
 
 class AcceptanceModel:
-    """What a request's lookahead steps accept, given whether the pool had candidates for them.
+    """What a request's lookahead steps accept, given the candidates the pool has for them.
 
-    A step whose pool lookup finds nothing can accept nothing now (on MT-bench chats at (4,3,4) nearly
-    half of all lookahead steps are such); all it buys is its window's n-grams for later steps. So the
-    model has two parts, both learnt from the request's own lookahead steps, older steps discounted by
-    ``decay``:
+    The scheduler looks the pool up before it decides, so a step's gain is planned on the candidates it
+    would verify: a step that finds none can accept nothing now (on MT-bench chats at (4,3,4) nearly half
+    of all lookahead steps are such), and one that finds two verifies two, whatever its g. A step's
+    expected extra tokens (beyond the one every step gives) have two parts:
 
-    * a **multiplier** on the prior for steps that verify candidates: (k0 * m0 + observed extra tokens) /
-      (k0 + predicted extra tokens) over such steps, the prediction being ``prior_gain / PRIOR_HIT_RATE``
-      (the prior is fitted to all lookahead steps, and about that share of them find candidates); ``m0``
-      (``prior_multiplier``) is where it starts, ``k0`` (``prior_weight``, in predicted extra tokens) how
-      much evidence it takes to move it;
-    * for a step without candidates, ``WINDOW_VALUE`` times the prior, scaled by the same multiplier:
-      what the window's n-grams are worth to later steps (measured, see ``WINDOW_VALUE``).
+    * **now**: verifying k = min(g, found) candidates of n - 1 tokens, the prior of the verification-only
+      rung (0, n, k) over ``PRIOR_HIT_RATE`` (the prior is fitted to all lookahead steps, and about that
+      share of them find candidates);
+    * **later**, for a step with a window: its n-grams for later steps, ``WINDOW_VALUE`` of the window's
+      prior (measured, see ``WINDOW_VALUE``). With k = g the two add up to the prior over the hit rate.
 
-    Planning on the candidates actually found puts lookahead where it pays now: averaged over both kinds
-    of step, the estimate credited a window-only step (cheap: no candidate tokens) with the gain of a step
-    with candidates and a step with candidates (dearer) with the average. Plain steps discount the
-    evidence too, so a request that dropped to plain decoding drifts back to ``m0`` and gets tried again.
-    The scheduler keeps one model per request, whose ``m0`` is an engine-wide model's multiplier at the
-    request's arrival."""
+    Both are scaled by a per-request **multiplier** learnt from the request's own steps that verified
+    candidates: (k0 * m0 + observed extra tokens) / (k0 + predicted "now" extra tokens), older steps
+    discounted by ``decay``; ``m0`` (``prior_multiplier``) is where it starts, ``k0`` (``prior_weight``,
+    in predicted extra tokens) how much evidence it takes to move it. Plain steps discount the evidence
+    too, so a request that dropped to plain decoding drifts back to ``m0`` and gets tried again. The
+    scheduler keeps one model per request, whose ``m0`` is an engine-wide model's multiplier at the
+    request's arrival.
+
+    ``num_found`` below is the number of candidates the pool has for the step; None: as many as g."""
 
     def __init__(self, prior_multiplier: float = 1.0, prior_weight: float = 4.0, decay: float = 0.99) -> None:
         self.prior_multiplier = prior_multiplier
@@ -110,10 +128,10 @@ class AcceptanceModel:
         k0 = self.prior_weight
         return (k0 * self.prior_multiplier + self.observed) / (k0 + self.predicted)
 
-    def expected_extra(self, params: LookaheadParams, has_candidates: bool = True) -> float:
-        return self.multiplier * _gain(params, has_candidates)
+    def expected_extra(self, params: LookaheadParams, num_found: int | None = None) -> float:
+        return self.multiplier * _gain(params, num_found)
 
-    def optimistic_extra(self, params: LookaheadParams, has_candidates: bool = True, beta: float = 1.0) -> float:
+    def optimistic_extra(self, params: LookaheadParams, num_found: int | None = None, beta: float = 1.0) -> float:
         """``expected_extra`` with the multiplier raised by ``beta`` standard errors (an upper confidence
         bound: accepted tokens are roughly Poisson, so the error is about sqrt(m / evidence)). What the
         adaptive policy plans with: a request it knows little about gets tried, and a request whose text
@@ -121,22 +139,30 @@ class AcceptanceModel:
         requests -- would keep it plain for good."""
         m = self.multiplier
         bonus = beta * math.sqrt(max(m, 0.25) / (self.prior_weight + self.predicted))
-        return (m + bonus) * _gain(params, has_candidates)
+        return (m + bonus) * _gain(params, num_found)
 
-    def observe(self, params: LookaheadParams | None, num_accepted: int, has_candidates: bool = True) -> None:
+    def observe(self, params: LookaheadParams | None, num_accepted: int, num_found: int | None = None) -> None:
         """One step of the request: ``params`` None for a plain step; ``num_accepted`` output tokens;
-        ``has_candidates``: whether the step verified any."""
+        ``num_found``: the candidates it verified."""
         self.observed *= self.decay
         self.predicted *= self.decay
-        if params is not None and has_candidates:
-            self.observed += max(num_accepted - 1, 0)
-            self.predicted += _gain(params, True)
+        if params is not None:
+            now = _gain_now(params, num_found)
+            if now:
+                self.observed += max(num_accepted - 1, 0)
+                self.predicted += now
 
 
-def _gain(params: LookaheadParams, has_candidates: bool) -> float:
-    """The prior's extra tokens of one step at ``params`` with candidates, or without."""
-    g = prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
-    return g / PRIOR_HIT_RATE if has_candidates else g * WINDOW_VALUE
+def _gain_now(params: LookaheadParams, num_found: int | None) -> float:
+    """The prior's extra tokens from verifying this step's candidates."""
+    g = params.verification_set_size if num_found is None else min(params.verification_set_size, num_found)
+    return prior_gain(0, params.ngram_size, g) / PRIOR_HIT_RATE if g else 0.0
+
+
+def _gain(params: LookaheadParams, num_found: int | None) -> float:
+    """The prior's extra tokens of one step at ``params``: verifying now, and the window's n-grams later."""
+    later = WINDOW_VALUE * prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
+    return _gain_now(params, num_found) + (0.0 if params.verify_only else later)
 
 
 @dataclass
@@ -213,7 +239,7 @@ class AdaptivePolicy:
                 if opts:
                     _set_rung(uniform, options, r, min(j, len(opts) - 1))
             if uniform.num_tokens - base_tokens > budget:
-                break  # rungs only grow
+                continue
             uniform.predicted_seconds = cost.predict(uniform.num_tokens, uniform.num_segments, uniform.num_decodes)
             if best_uniform is None or _rate(uniform) > _rate(best_uniform):
                 best_uniform = uniform

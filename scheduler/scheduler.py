@@ -182,11 +182,11 @@ class Scheduler:
             if seg.lookahead is not None:
                 assert req.lookahead is not None and runner_out.lookahead_outputs is not None
                 req.num_computed_tokens += len(sampled)  # x and the matched candidate tokens
-                req.lookahead.update(seg.token_ids[0], runner_out.lookahead_outputs[i], sampled)
+                req.lookahead.update(seg.token_ids[0], runner_out.lookahead_outputs[i], sampled)  # no outputs: verify only
                 req.accepted_lengths[len(sampled)] += 1
                 if seg.lookahead.num_candidates:
                     req.lookahead.num_pool_hits += 1
-                found = seg.lookahead.num_candidates > 0
+                found = seg.lookahead.num_candidates
                 self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled), found)
                 self._acceptance_all.observe(req.lookahead_step, len(sampled), found)
             else:
@@ -238,8 +238,12 @@ class Scheduler:
             params = opts[choice].params
             state = req.lookahead
             assert state is not None
-            state.resize(params.window_size, params.ngram_size)
-            layout, tokens = state.plan(req.all_token_ids[-1], params.verification_set_size)
+            x = req.all_token_ids[-1]
+            if params.verify_only:  # the window, if any, waits for the next step that runs it
+                layout, tokens = state.plan_verify(x, params.ngram_size, params.verification_set_size)
+            else:
+                state.resize(params.window_size, params.ngram_size)
+                layout, tokens = state.plan(x, params.verification_set_size)
             # A lookahead step commits x plus at most candidate_len accepted tokens; plain if blocks are short.
             reserve = 1 + layout.candidate_len if layout.num_candidates else 1
             if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + reserve) is None:
@@ -266,16 +270,28 @@ class Scheduler:
         x = req.all_token_ids[-1]
         acceptance = self._acceptance[req.request_id]
         num_found: dict[int, int] = {}
+        seen_verify: set[LookaheadParams] = set()
         opts = []
         for p in ladder(req.max_lookahead):
             n = p.ngram_size
             if n not in num_found:
                 num_found[n] = len(state.pool.lookup(x, req.max_lookahead.verification_set_size, n - 1))
-            levels, cols = state.shape_after_resize(p.window_size, n)
-            if req.num_computed_tokens + max(levels + cols - 2, n - 1) >= self.config.max_model_len:
-                continue  # the window would reach past the model's positions
-            num_tokens = levels * cols + min(p.verification_set_size, num_found[n]) * (n - 1)
-            opts.append(Option(p, num_tokens, acceptance.optimistic_extra(p, num_found[n] > 0)))
+            if p.verify_only:
+                if not num_found[n]:
+                    continue  # nothing to verify: the step would be a plain decode
+                # Verifying g candidates where the pool has fewer is verifying those it has: one option each.
+                p = LookaheadParams(0, n, min(p.verification_set_size, num_found[n]))
+                if p in seen_verify:
+                    continue
+                seen_verify.add(p)
+                reach, num_window = n - 1, 1
+            else:
+                levels, cols = state.shape_after_resize(p.window_size, n)
+                reach, num_window = max(levels + cols - 2, n - 1), levels * cols
+            if req.num_computed_tokens + reach >= self.config.max_model_len:
+                continue  # the segment would reach past the model's positions
+            num_tokens = num_window + min(p.verification_set_size, num_found[n]) * (n - 1)
+            opts.append(Option(p, num_tokens, acceptance.optimistic_extra(p, num_found[n])))
         return opts
 
     def observe_step(self, seconds: float) -> float | None:

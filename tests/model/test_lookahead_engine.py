@@ -35,7 +35,7 @@ def test_mixed_lookahead_batch_with_preemption_matches_hf(tiny_llama):
     max_tokens = 40
     expected = hf_greedy(tiny_llama, prompts, max_tokens)
     configs = [LookaheadParams(4, 3, 4), LookaheadParams(7, 5, 7), LookaheadParams(5, 3, 5), PLAIN, None,
-               LookaheadParams(15, 5, 15), LookaheadParams(3, 4, 2)]
+               LookaheadParams(15, 5, 15), LookaheadParams(3, 4, 2), LookaheadParams(0, 3, 4), LookaheadParams(0, 5, 10)]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=configs[i % len(configs)]) for i in range(18)]
     # 40 blocks of 8 slots for 18 requests of up to ~140 tokens: preemption is forced.
     llm = LLM(tiny_llama, block_size=8, num_kv_blocks=40, max_num_batched_tokens=256, max_num_seqs=18)
@@ -46,6 +46,8 @@ def test_mixed_lookahead_batch_with_preemption_matches_hf(tiny_llama):
     assert max(o.metrics.tokens_per_step for o in outs) > 1.5  # lookahead really accepted tokens
     plain = [o for o, p in zip(outs, params) if p.lookahead is PLAIN]
     assert all(o.metrics.tokens_per_step == 1.0 for o in plain)
+    verify_only = [o for o, p in zip(outs, params) if p.lookahead is not None and p.lookahead.verify_only]
+    assert len(verify_only) == 4 and max(o.metrics.tokens_per_step for o in verify_only) > 1.2
 
 
 def test_abort_mid_lookahead_frees_every_block(tiny_llama):
@@ -172,7 +174,8 @@ def test_default_model_lookahead_equals_plain_equals_hf(default_model_path):
     llm = LLM(max_num_batched_tokens=2048)
     prompts = [llm.engine.apply_chat_template([{"role": "user", "content": m}]) for m in CHAT] + CODE_PROMPTS
     expected = hf_greedy(default_model_path, [llm.tokenizer(p).input_ids for p in prompts], 64)
-    for la in (PLAIN, LookaheadParams(15, 5, 15), LookaheadParams(5, 3, 5), LookaheadParams(4, 3, 4)):
+    for la in (PLAIN, LookaheadParams(15, 5, 15), LookaheadParams(5, 3, 5), LookaheadParams(4, 3, 4),
+               LookaheadParams(0, 4, 10)):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, lookahead=la))
         assert [o.outputs[0].token_ids for o in outs] == expected, la
     assert max(o.metrics.tokens_per_step for o in outs) > 1.2
@@ -216,6 +219,7 @@ def test_changing_lookahead_shape_every_step_stays_lossless(tiny_llama):
     assert llm.engine.scheduler.num_preemptions > 0
     assert len(llm.engine.lookahead_chosen) >= 5  # many (w, n, g) shapes really ran
     assert {lab.split(",")[1] for lab in llm.engine.lookahead_chosen} >= {"3", "4", "5"}  # n changed too
+    assert any(lab.startswith("0,") for lab in llm.engine.lookahead_chosen)  # and verification-only steps
     assert llm.engine.kv_manager.num_free_blocks == 48
 
 

@@ -71,6 +71,7 @@ def _primer_visible(lay: LookaheadLayout) -> list[set[int]]:
         LookaheadLayout(num_levels=2, num_cols=4, num_candidates=2, candidate_len=2),  # steady (4, 3, 2)
         LookaheadLayout(num_levels=1, num_cols=7, num_candidates=0, candidate_len=4),  # first warm-up step
         LookaheadLayout(num_levels=2, num_cols=6, num_candidates=0, candidate_len=4),  # later warm-up step
+        LookaheadLayout(num_levels=0, num_cols=1, num_candidates=3, candidate_len=2),  # verification only
     ],
 )
 def test_tree_matches_primer_rules(lay):
@@ -132,3 +133,28 @@ def test_lookahead_params_validation():
         LookaheadParams(1, 3, 4)
     with pytest.raises(ValueError, match="verification_set_size"):
         LookaheadParams(4, 3, -1)
+
+
+def test_verification_only_step_leaves_the_window_and_learns_from_the_output():
+    st = LookaheadState(3, 3, pool_cap=4, prompt=[1, 2, 3, 1, 2, 4], eos_ids=frozenset())
+    levels = [list(level) for level in st.levels]
+    lay, toks = st.plan_verify(x=1, ngram_size=3, max_candidates=4)
+    assert (lay.num_levels, lay.num_window_tokens, lay.num_last_level, lay.num_candidates) == (0, 1, 0, 2)
+    assert lay.num_tokens == 5 == step_tokens(0, 3, 2) and toks == [1, 2, 4, 2, 3]  # x, then (2, 4), (2, 3)
+    assert lay.tree() == ([0, 1, 2, 1, 2], [-1, 0, 1, 0, 3])
+    st.update(1, [], accepted=[2, 3, 9])  # no window outputs: a verification-only step
+    assert st.levels == levels and (3, 9) in st.pool.lookup(2, 4)
+    with pytest.raises(ValueError, match="ngram_size"):
+        st.plan_verify(x=1, ngram_size=4, max_candidates=4)  # longer than the pool keeps
+
+
+def test_a_request_without_a_window_only_verifies():
+    st = LookaheadState(0, 4, pool_cap=4, prompt=[5, 6, 7, 8, 5, 6], eos_ids=frozenset())
+    assert st.levels == []
+    lay, toks = st.plan(x=5, max_candidates=4)
+    assert lay.num_levels == 0 and toks == [5, 6, 7, 8]
+    with pytest.raises(ValueError, match="window"):
+        st.resize(4, 3)
+    assert not LookaheadParams(0, 3, 4).is_plain and LookaheadParams(0, 3, 4).verify_only
+    with pytest.raises(ValueError, match="window_size"):
+        LookaheadParams(0, 3, 0)  # nothing to verify

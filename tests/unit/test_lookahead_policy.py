@@ -17,7 +17,7 @@ from scheduler import LookaheadParams, LookaheadState, NGramPool, Request, Sampl
 from scheduler.batch import ModelRunnerOutput
 from scheduler.config import LookaheadConfig
 from scheduler.cost import StepCostModel
-from scheduler.lookahead import step_tokens
+from scheduler.lookahead import LookaheadLayout, step_tokens
 from scheduler.policy import (
     PRIOR_HIT_RATE,
     WINDOW_VALUE,
@@ -192,11 +192,29 @@ def test_ladder_climbs_to_the_maximum_with_rising_gain():
     rungs = ladder(MAX)
     assert rungs[-1] == MAX and len(rungs) >= 4
     tokens = [step_tokens(p.window_size, p.ngram_size, p.verification_set_size) for p in rungs]
-    gains = [prior_gain(p.window_size, p.ngram_size, p.verification_set_size) for p in rungs]
-    assert tokens == sorted(tokens) and gains == sorted(gains) and len(set(gains)) == len(gains)
+    assert tokens == sorted(tokens)
+    for kind in ([p for p in rungs if p.window_size], [p for p in rungs if p.verify_only]):
+        gains = [prior_gain(p.window_size, p.ngram_size, p.verification_set_size) for p in kind]
+        assert len(kind) >= 4 and gains == sorted(gains) and len(set(gains)) == len(gains)
     assert all(p.window_size <= 15 and p.ngram_size <= 5 and p.verification_set_size <= 15 for p in rungs)
     assert ladder(LookaheadParams(enabled=False)) == ()
-    assert ladder(LookaheadParams(2, 3, 1)) == (LookaheadParams(2, 3, 1),)
+    assert ladder(LookaheadParams(2, 3, 1)) == (LookaheadParams(0, 3, 1), LookaheadParams(2, 3, 1))
+
+
+def test_verification_only_rungs():
+    # Beside every window size's candidate count, verification alone (no window tokens): fewer tokens, and
+    # less gain than the window of the same g, whose n-grams also serve later steps.
+    rungs = ladder(LookaheadParams(4, 3, 4))
+    assert LookaheadParams(0, 3, 4) in rungs and LookaheadParams(4, 3, 4) in rungs
+    assert step_tokens(0, 3, 4) == 9 < step_tokens(4, 3, 4) == 16
+    assert 0 < prior_gain(0, 3, 4) < prior_gain(4, 3, 4)
+    # A maximum without a window climbs verification-only rungs to itself.
+    only = ladder(LookaheadParams(0, 4, 7))
+    assert only[-1] == LookaheadParams(0, 4, 7) and all(p.verify_only for p in only) and len(only) >= 3
+    # Without candidates a verification-only step is worth nothing; a window step still its window.
+    model = AcceptanceModel()
+    assert model.expected_extra(LookaheadParams(0, 3, 4), num_found=0) == 0.0
+    assert model.expected_extra(LookaheadParams(4, 3, 4), num_found=0) > 0.0
 
 
 def test_acceptance_learns_from_the_request_and_returns_to_the_prior_when_plain():
@@ -213,7 +231,8 @@ def test_acceptance_learns_from_the_request_and_returns_to_the_prior_when_plain(
     b = AcceptanceModel()
     for _ in range(30):
         b.observe(p, 4)  # code-like: 3 extra tokens a step
-    assert 2.5 < b.expected_extra(p) < 3.1
+    assert 2.5 < b.expected_extra(LookaheadParams(0, 5, 7)) < 3.1  # verifying as many candidates again
+    assert b.expected_extra(p) > b.expected_extra(LookaheadParams(0, 5, 7))  # and the window's n-grams too
 
 
 def test_acceptance_starts_from_the_given_prior_and_a_few_dry_steps_do_not_end_lookahead():
@@ -232,9 +251,9 @@ def test_a_step_without_candidates_is_worth_its_window_only():
         a.observe(p, 2)  # one extra token a step with candidates
     m = a.multiplier
     for _ in range(20):
-        a.observe(p, 1, has_candidates=False)  # nothing to verify: says nothing about acceptance
+        a.observe(p, 1, num_found=0)  # nothing to verify: says nothing about acceptance
     assert a.multiplier == pytest.approx(m, rel=0.1)
-    with_candidates, window_only = a.expected_extra(p), a.expected_extra(p, has_candidates=False)
+    with_candidates, window_only = a.expected_extra(p), a.expected_extra(p, num_found=0)
     assert 0.8 < with_candidates < 1.1
     assert window_only == pytest.approx(with_candidates * WINDOW_VALUE * PRIOR_HIT_RATE)
 
@@ -364,6 +383,28 @@ def test_a_request_with_candidates_runs_lookahead_and_one_without_decodes_plainl
     assert miss.lookahead is None
 
 
+def test_verification_only_where_a_window_costs_more_than_it_buys():
+    # Two requests whose pools hold candidates: when a step's tokens are dear, verifying them alone (9
+    # tokens) beats carrying a window too (16); when tokens are free, the window's n-grams are worth having.
+    opts = [[Option(p, step_tokens(p.window_size, p.ngram_size, p.verification_set_size), AcceptanceModel().expected_extra(p))
+             for p in (LookaheadParams(0, 3, 4), LookaheadParams(4, 3, 4))] for _ in range(2)]
+    dear = StepCostModel([1, 512], [1.0, 1.0 + 0.02 * 511], learning_rate=0.0)
+    assert AdaptivePolicy(dear).choose(opts, 2, 0, 2, 4096).choices == [0, 0]
+    assert AdaptivePolicy(flat_cost()).choose(opts, 2, 0, 2, 4096).choices == [1, 1]
+
+
+def test_a_verification_only_request_runs_the_pool_and_nothing_else():
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_model_len=512, lookahead=LookaheadConfig(default=LookaheadParams(0, 5, 4)))
+    s = Scheduler(cfg, KVCacheManager(64, 4))
+    params = SamplingParams(temperature=0, max_tokens=64)
+    s.add_request(Request("hit", [9, 5, 6, 7, 8, 1, 2, 3], params))  # 5 is followed by 6 7 8 1 in the prompt
+    s.add_request(Request("miss", [20 + i for i in range(8)], params))
+    hit, miss = _run(s, 2)[-1].scheduled  # the prefill samples 5 for both, then the first decode step
+    assert hit.lookahead == LookaheadLayout(0, 1, 1, 4) and hit.token_ids == [5, 6, 7, 8, 1]
+    assert miss.lookahead is None  # nothing to verify: a plain decode
+    assert s.last_lookahead == [LookaheadParams(0, 5, 1)]
+
+
 def test_switching_policy_between_steps_takes_effect_on_the_next_step():
     s = _adaptive_scheduler(linear_cost())  # compute bound: adaptive decodes plainly
     for i in range(2):
@@ -425,5 +466,5 @@ def test_optimism_shrinks_with_evidence():
     a = AcceptanceModel(prior_multiplier=0.75)
     first = a.optimistic_extra(p) / a.expected_extra(p)
     for i in range(100):
-        a.observe(p, 2 if i % 3 else 1)  # two thirds of an extra token a step: about 0.85x the prior
+        a.observe(p, 2 if i % 2 else 1)  # half an extra token a step: about 0.77x the prior's 0.65
     assert 0.6 < a.multiplier < 0.9 and first > 1.4 and 1.0 < a.optimistic_extra(p) / a.expected_extra(p) < first
