@@ -7,7 +7,8 @@ Pure Python. Three parts:
   the prior says buy more accepted tokens than every smaller rung (plain decoding is the rung below all),
   and verification-only rungs (w = 0: the pool's candidates without a window) beside them;
 * the **acceptance model** of a request: expected extra tokens per step (beyond the one every step
-  gives) = ``prior_gain(w, n, g)`` times a per-request multiplier learnt from its own lookahead steps;
+  gives), from the prior for verifying the candidates the pool has now plus the window's n-grams for
+  later steps, times a per-request multiplier learnt from its own lookahead steps;
 * the **policy**: given the step's committed part (prefill chunks and plain decodes, which keep their place
   in the budget) and the step-cost model, upgrade requests one at a time, each time taking the upgrade that
   gives the highest expected tokens per second for the whole step, while any upgrade raises it and the
@@ -218,7 +219,7 @@ class AdaptivePolicy:
         """``options[r]``: request r's rungs (plain, costing 1 token and yielding 1, is implicit);
         ``base_*``: the step without any lookahead (tokens, looped segments, output tokens expected, plain
         decodes -- by default one per candidate); ``budget``: most extra tokens lookahead may add."""
-        cost = self.cost
+        cost = _Memo(self.cost)  # the model is fixed within a step: each step shape is predicted once
         decodes = len(options) if base_decodes is None else base_decodes
         start = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
         self._num_calls += 1
@@ -229,7 +230,7 @@ class AdaptivePolicy:
             if options[r] and options[r][0].num_tokens - 1 <= budget:
                 _set_rung(start, options, r, 0)
             start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
-            return self._upgrade(start, options, base_tokens, budget)
+            return self._upgrade(start, options, base_tokens, budget, cost)
         start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
         best_uniform = None
         for j in range(max((len(o) for o in options), default=0)):
@@ -243,17 +244,17 @@ class AdaptivePolicy:
             uniform.predicted_seconds = cost.predict(uniform.num_tokens, uniform.num_segments, uniform.num_decodes)
             if best_uniform is None or _rate(uniform) > _rate(best_uniform):
                 best_uniform = uniform
-        best = self._upgrade(start, options, base_tokens, budget)
+        best = self._upgrade(start, options, base_tokens, budget, cost)
         if best_uniform is not None and _rate(best_uniform) > _rate(start):
             # Greedy upgrades from the best uniform start too (two greedy runs bound the work per step).
-            other = self._upgrade(best_uniform, options, base_tokens, budget)
+            other = self._upgrade(best_uniform, options, base_tokens, budget, cost)
             if _rate(other) > _rate(best) * (1 + 1e-9):
                 best = other
         return best
 
-    def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int) -> Decision:
+    def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int,
+                 cost: _Memo) -> Decision:
         """Greedy: take the single upgrade that most raises the step's expected rate, while one does."""
-        cost = self.cost
         choices = d.choices
         while True:
             best = None
@@ -278,6 +279,22 @@ class AdaptivePolicy:
             r, j, seconds = best
             _set_rung(d, options, r, j)
             d.predicted_seconds = seconds
+
+
+class _Memo:
+    """``StepCostModel.predict`` remembered by step shape, for one decision: the greedy upgrades ask for the
+    same few shapes for every request (about a thousand calls a step at concurrency 32)."""
+
+    def __init__(self, cost: StepCostModel) -> None:
+        self._cost = cost
+        self._seen: dict[tuple[int, int, int], float] = {}
+
+    def predict(self, num_tokens: int, num_segments: int, num_decodes: int) -> float:
+        key = (num_tokens, num_segments, num_decodes)
+        seconds = self._seen.get(key)
+        if seconds is None:
+            seconds = self._seen[key] = self._cost.predict(num_tokens, num_segments, num_decodes)
+        return seconds
 
 
 def _set_rung(d: Decision, options: Sequence[Sequence[Option]], r: int, j: int) -> None:
