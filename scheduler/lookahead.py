@@ -249,8 +249,8 @@ class LookaheadState:
         """Advance the window given the model's outputs at the newest level, and learn from ``accepted``.
 
         ``last_level_outputs``: the model's argmax at each token of the newest level (columns 1..C-1 for
-        level 0, 0..C-1 for higher levels). ``accepted``: the output tokens this step produced. A verification-only step (no outputs) only
-        learns from ``accepted``.
+        level 0, 0..C-1 for higher levels). ``accepted``: the output tokens this step produced. A
+        verification-only step (no outputs) only learns from ``accepted``.
         """
         if not last_level_outputs:
             self.add_output(accepted)

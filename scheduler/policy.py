@@ -240,7 +240,7 @@ class AdaptivePolicy:
                 if opts:
                     _set_rung(uniform, options, r, min(j, len(opts) - 1))
             if uniform.num_tokens - base_tokens > budget:
-                continue
+                continue  # a later rung may be smaller: a verification-only rung's tokens follow the candidates found
             uniform.predicted_seconds = cost.predict(uniform.num_tokens, uniform.num_segments, uniform.num_decodes)
             if best_uniform is None or _rate(uniform) > _rate(best_uniform):
                 best_uniform = uniform
