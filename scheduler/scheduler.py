@@ -291,7 +291,8 @@ class Scheduler:
             if req.num_computed_tokens + reach >= self.config.max_model_len:
                 continue  # the segment would reach past the model's positions
             num_tokens = num_window + min(p.verification_set_size, num_found[n]) * (n - 1)
-            opts.append(Option(p, num_tokens, acceptance.optimistic_extra(p, num_found[n])))
+            found = num_found[n]
+            opts.append(Option(p, num_tokens, acceptance.expected_extra(p, found), acceptance.optimistic_extra(p, found)))
         return opts
 
     def observe_step(self, seconds: float) -> float | None:

@@ -325,6 +325,18 @@ def test_exploration_tries_the_cheapest_rung_of_the_most_promising_request_now_a
     assert AdaptivePolicy(linear_cost(), explore_every=1).choose(opts, 2, 0, 2, budget=2).choices == [None, None]
 
 
+def test_the_policy_plans_with_the_expected_gain_and_explores_by_the_optimistic_one():
+    # Request 0's optimistic 3 extra tokens would pay for its 16-token rung (5 tokens in 21 ms against 2 in
+    # 11 ms), its expected 0.5 does not; request 1 expects more (0.6) but has less upside (0.8).
+    cost = StepCostModel([1, 16, 32, 4096], [0.010, 0.020, 0.040, 1.0], learning_rate=0.0)
+    p = LookaheadParams(4, 3, 4)
+    opts = [[Option(p, 16, 0.5, 3.0)], [Option(p, 16, 0.6, 0.8)]]
+    assert AdaptivePolicy(cost).choose(opts, 2, 0, 2.0, 4096).choices == [None, None]
+    as_expected = [[Option(p, 16, 3.0)], [Option(p, 16, 0.8)]]  # the optimistic figures, planned with
+    assert AdaptivePolicy(cost).choose(as_expected, 2, 0, 2.0, 4096).choices == [0, None]
+    assert AdaptivePolicy(cost, explore_every=1).choose(opts, 2, 0, 2.0, 4096).choices == [0, None]
+
+
 def test_fixed_policy_runs_each_maximum_while_the_budget_lasts():
     opts = [_options() for _ in range(3)]
     d = FixedPolicy().choose(opts, 3, 0, 3, budget=2 * (step_tokens(15, 5, 15) - 1))
