@@ -49,7 +49,8 @@ class LookaheadDeployment:
         from proto.metrics import ServerMetrics
         from proto.server import ServiceCore
 
-        llm = LLM(model, **(engine_args or {}))
+        # A server's requests come and go: the adaptive lookahead policy values every token alike.
+        llm = LLM(model, **{"lookahead_objective": "throughput", **(engine_args or {})})
         engine = AsyncLLMEngine(llm.engine, max_live_requests=max_live_requests)
         name = served_model_name or (DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)))
         self.core = ServiceCore(engine, name, ServerMetrics(llm.engine))

@@ -19,6 +19,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead-policy", default="fixed", choices=["fixed", "adaptive"],
                    help="fixed: every request runs its (W,N,G); adaptive: each step picks (w,n,g) up to it from a "
                         "step-cost model profiled at start-up (default: %(default)s)")
+    p.add_argument("--lookahead-objective", choices=["throughput", "makespan"], default=None,
+                   help="what the adaptive policy maximises: throughput (tokens per second; the default for serve) "
+                        "or makespan (the whole batch done soonest; the default for generate)")
     p.add_argument("--log-schedule", action="store_true",
                    help="log every step's tokens, chosen (w,n,g) and predicted vs observed time")
 
@@ -41,7 +44,7 @@ def _lookahead(text: str):
 def _generate(args: argparse.Namespace) -> int:
     from engine import SamplingParams
 
-    llm = _engine_from_args(args)
+    llm = _engine_from_args(args, "makespan")
     prompt = args.prompt
     if not args.raw:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": prompt}])
@@ -67,7 +70,8 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_from_args(args: argparse.Namespace):
+def _engine_from_args(args: argparse.Namespace, objective: str):
+    """objective: the --lookahead-objective to use when the flag is not given."""
     from engine import LLM
 
     if args.log_schedule:
@@ -77,7 +81,8 @@ def _engine_from_args(args: argparse.Namespace):
         logging.getLogger("engine.schedule").setLevel(logging.INFO)
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
                kv_cache_memory_gib=args.kv_cache_memory_gib, attention_backend=args.attention_backend,
-               lookahead_policy=args.lookahead_policy, log_schedule=args.log_schedule)
+               lookahead_policy=args.lookahead_policy, lookahead_objective=args.lookahead_objective or objective,
+               log_schedule=args.log_schedule)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -88,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.loader import DEFAULT_MODEL_NAME
     from proto.server import serve_forever
 
-    llm = _engine_from_args(args)
+    llm = _engine_from_args(args, "throughput")  # requests come and go: every token counts alike
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
     engine = AsyncLLMEngine(llm.engine, max_live_requests=args.max_live_requests)
     try:

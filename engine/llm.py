@@ -18,7 +18,10 @@ class LLM:
     max_lookahead: the largest (window_size, ngram_size, verification_set_size) a request may ask for.
     lookahead_policy: "fixed" runs each request's (W, N, G) as asked; "adaptive" treats it as the request's
     maximum and chooses (w, n, g) each step from a step-cost model (step_cost_model, else measured at
-    start-up) and each request's acceptance. log_schedule: log each step's decisions.
+    start-up) and each request's acceptance. lookahead_objective: what the adaptive policy maximises --
+    "makespan" (the default here: ``generate`` returns when its last prompt finishes, so while nothing
+    waits a token counts by the chance that its request would finish last) or "throughput" (every token
+    alike: the most tokens per second, the servers' choice). log_schedule: log each step's decisions.
     Other keyword arguments fill the config tree (ModelConfig, CacheConfig, SchedulerConfig).
     """
 
@@ -40,6 +43,7 @@ class LLM:
         lookahead: LookaheadParams = DEFAULT_LOOKAHEAD,
         max_lookahead: tuple[int, int, int] = (16, 8, 16),
         lookahead_policy: str = "fixed",
+        lookahead_objective: str = "makespan",
         step_cost_model=None,
         log_schedule: bool = False,
     ) -> None:
@@ -58,6 +62,7 @@ class LLM:
                     max_num_seqs=max_num_seqs,
                     lookahead=LookaheadConfig(lookahead, *max_lookahead),
                     lookahead_policy=lookahead_policy,
+                    lookahead_objective=lookahead_objective,
                 ),
             ),
             cost_model=step_cost_model,

@@ -199,9 +199,10 @@ class LLMEngine:
         configs = ", ".join(f"{k} x{v}" for k, v in sorted(Counter(chosen).items())) or "-"
         predicted = "-" if self.last_predicted_seconds is None else f"{self.last_predicted_seconds * 1e3:.1f}"
         schedule_logger.info(
-            "step %d: %d tokens (%d prefill chunks, %d plain decodes, %d lookahead: %s); predicted %s ms, observed %.1f ms",
+            "step %d: %d tokens (%d prefill chunks, %d plain decodes, %d lookahead: %s); predicted %s ms, observed "
+            "%.1f ms; lookahead cost checked at %.2fx the model's",
             self.num_steps, sched_out.num_scheduled_tokens, n_prefill, n_plain, len(chosen), configs, predicted,
-            self.last_step_seconds * 1e3,
+            self.last_step_seconds * 1e3, self.scheduler.lookahead_cost.scale,
         )
 
     def _output(self, tracked: _Tracked) -> RequestOutput:

@@ -54,10 +54,17 @@ class SchedulerConfig:
     lookahead_policy: str = "fixed"
     # adaptive: every so many steps, one lookahead upgrade runs even if predicted not to pay (0 = never)
     lookahead_explore_every: int = 16
+    # adaptive: what a token is worth. "throughput": every output token alike, so each step maximises
+    # expected tokens per second (the sum of the requests' latencies, to first order: a server's aim);
+    # "makespan": while nothing waits, a token counts by the chance its request would finish last, so the
+    # batch as a whole finishes soonest (an offline batch, whose caller waits for its last request)
+    lookahead_objective: str = "throughput"
 
     def __post_init__(self) -> None:
         if self.lookahead_policy not in ("fixed", "adaptive"):
             raise ValueError(f"lookahead_policy must be 'fixed' or 'adaptive', got {self.lookahead_policy!r}")
+        if self.lookahead_objective not in ("throughput", "makespan"):
+            raise ValueError(f"lookahead_objective must be 'throughput' or 'makespan', got {self.lookahead_objective!r}")
         if not isinstance(self.lookahead_explore_every, int) or self.lookahead_explore_every < 0:
             raise ValueError(f"lookahead_explore_every must be a non-negative int, got {self.lookahead_explore_every!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

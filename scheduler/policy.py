@@ -208,6 +208,7 @@ class Decision:
     expected_tokens: float
     predicted_seconds: float
     num_decodes: int = 0
+    plain_seconds: float | None = None  # the same step with every request decoding plainly, predicted
 
 
 class AdaptivePolicy:
@@ -228,6 +229,9 @@ class AdaptivePolicy:
     def __init__(self, cost_model: StepCostModel, explore_every: int = 0) -> None:
         self.cost = cost_model
         self.explore_every = explore_every
+        # What lookahead adds to a step, observed over predicted (``LookaheadCostCheck``): the policy plans
+        # a step's cost beyond the all-plain step at this times the model's figure.
+        self.extra_cost_scale = 1.0
         self._num_calls = 0
 
     def choose(
@@ -242,8 +246,9 @@ class AdaptivePolicy:
         """``options[r]``: request r's rungs (plain, costing 1 token and yielding 1, is implicit);
         ``base_*``: the step without any lookahead (tokens, looped segments, output tokens expected, plain
         decodes -- by default one per candidate); ``budget``: most extra tokens lookahead may add."""
-        cost = _Memo(self.cost)  # the model is fixed within a step: each step shape is predicted once
         decodes = len(options) if base_decodes is None else base_decodes
+        # The model is fixed within a step: each step shape is predicted once.
+        cost = _Memo(self.cost, (base_tokens, base_segments, decodes), self.extra_cost_scale)
         start = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
         self._num_calls += 1
         if self.explore_every and self._num_calls % self.explore_every == 0 and options:
@@ -306,18 +311,53 @@ class AdaptivePolicy:
 
 class _Memo:
     """``StepCostModel.predict`` remembered by step shape, for one decision: the greedy upgrades ask for the
-    same few shapes for every request (about a thousand calls a step at concurrency 32)."""
+    same few shapes for every request (about a thousand calls a step at concurrency 32). What a shape costs
+    beyond the all-plain step ``plain`` is scaled by ``extra_scale`` (when it costs more, not less)."""
 
-    def __init__(self, cost: StepCostModel) -> None:
+    def __init__(self, cost: StepCostModel, plain: tuple[int, int, int] | None = None, extra_scale: float = 1.0) -> None:
         self._cost = cost
         self._seen: dict[tuple[int, int, int], float] = {}
+        self._plain = cost.predict(*plain) if plain is not None and extra_scale != 1.0 else None
+        self._scale = extra_scale
 
     def predict(self, num_tokens: int, num_segments: int, num_decodes: int) -> float:
         key = (num_tokens, num_segments, num_decodes)
         seconds = self._seen.get(key)
         if seconds is None:
-            seconds = self._seen[key] = self._cost.predict(num_tokens, num_segments, num_decodes)
+            seconds = self._cost.predict(num_tokens, num_segments, num_decodes)
+            if self._plain is not None and seconds > self._plain:
+                seconds = self._plain + self._scale * (seconds - self._plain)
+            self._seen[key] = seconds
         return seconds
+
+
+class LookaheadCostCheck:
+    """How much lookahead really adds to a step, against what the step-cost model predicted it would add.
+
+    The policy runs lookahead where the model says it costs little, so the model's errors on the steps it
+    picks are not even: it under-predicts them (the winner's curse), and the live fit, which learns from
+    all steps alike, does not take that out. Over the steps that ran lookahead, this keeps the discounted
+    sums of (observed - predicted all-plain step) and (predicted - predicted all-plain step); their
+    ratio, ``scale``, is what the policy multiplies the model's lookahead cost by. 1.0 until it has
+    ``min_steps`` of evidence; clamped to [0.5, 2]."""
+
+    def __init__(self, decay: float = 0.98, min_steps: float = 5.0) -> None:
+        self.decay = decay
+        self.min_steps = min_steps
+        self.observed = self.predicted = self.weight = 0.0
+
+    def observe(self, seconds: float, predicted: float, plain_predicted: float) -> None:
+        if predicted <= plain_predicted:
+            return  # a step that drops the decode path may cost less than plain: nothing to scale
+        self.observed = self.observed * self.decay + (seconds - plain_predicted)
+        self.predicted = self.predicted * self.decay + (predicted - plain_predicted)
+        self.weight = self.weight * self.decay + 1.0
+
+    @property
+    def scale(self) -> float:
+        if self.weight < self.min_steps or self.predicted <= 0:
+            return 1.0
+        return min(max(self.observed / self.predicted, 0.5), 2.0)
 
 
 def _set_rung(d: Decision, options: Sequence[Sequence[Option]], r: int, j: int) -> None:

@@ -14,6 +14,7 @@ only from free blocks: when they are short the request decodes plainly; lookahea
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -25,7 +26,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost import StepCostModel
 from scheduler.lookahead import LookaheadLayout, LookaheadState
 from scheduler.params import LookaheadParams
-from scheduler.policy import AcceptanceModel, AdaptivePolicy, Decision, FixedPolicy, Option, ladder
+from scheduler.policy import AcceptanceModel, AdaptivePolicy, Decision, FixedPolicy, LookaheadCostCheck, Option, ladder
 from scheduler.request import Request, RequestStatus
 
 
@@ -46,6 +47,10 @@ class Scheduler:
         self._acceptance: dict[str, AcceptanceModel] = {}
         # Every request's lookahead steps together, slowly discounted: where a new request's model starts.
         self._acceptance_all = AcceptanceModel(prior_weight=8.0, decay=0.999)
+        # Finished requests that stopped before their length bound, and all finished, discounted: the share
+        # tells the "makespan" objective how much a request's bound says about when it ends (1:1 prior).
+        self._early_stops, self._num_ended = 1.0, 2.0
+        self.lookahead_cost = LookaheadCostCheck()  # what lookahead really adds to a step, over the model's figure
         self.last_decision: Decision | None = None
         self.last_lookahead: list[LookaheadParams] = []  # the (w, n, g) each lookahead segment ran last step
         self.requests: dict[str, Request] = {}
@@ -213,23 +218,29 @@ class Scheduler:
     def _schedule_lookahead(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Turn chosen plain decodes into lookahead segments in place; return the tokens added."""
         cands: list[tuple[int, Request, list[Option]]] = []
-        num_tokens = num_segments = num_yield = num_decodes = 0
+        num_tokens = sum(len(seg.token_ids) for seg in scheduled)
+        num_segments = sum(len(seg.token_ids) > 1 for seg in scheduled)
+        num_decodes = sum(len(seg.token_ids) == 1 for seg in scheduled)
+        values = self._token_values(num_tokens, num_segments, num_decodes)
+        num_yield = 0.0
         for k, seg in enumerate(scheduled):
-            n = len(seg.token_ids)
-            num_tokens += n
-            num_segments += n > 1
-            num_decodes += n == 1
-            num_yield += seg.sample
+            value = values.get(seg.req_id, 1.0) if values else 1.0
+            num_yield += seg.sample * value
             req = self.requests[seg.req_id]
-            if n == 1 and seg.sample and req.lookahead is not None:
+            if len(seg.token_ids) == 1 and seg.sample and req.lookahead is not None:
                 opts = self._options(req)
                 if opts:
+                    if value != 1.0:
+                        opts = [replace(o, expected_extra=o.expected_extra * value,
+                                        optimistic_extra=o.optimistic_extra * value) for o in opts]
                     cands.append((k, req, opts))
         self.last_lookahead = []
         if not cands:
             predicted = self.cost_model.predict(num_tokens, num_segments, num_decodes) if self.cost_model else 0.0
             self.last_decision = Decision([], num_tokens, num_segments, num_yield, predicted, num_decodes)
             return 0
+        if isinstance(self.policy, AdaptivePolicy):
+            self.policy.extra_cost_scale = self.lookahead_cost.scale
         decision = self.policy.choose([c[2] for c in cands], num_tokens, num_segments, num_yield, budget, num_decodes)
         added = 0
         for (k, req, opts), choice in zip(cands, decision.choices, strict=True):
@@ -260,8 +271,54 @@ class Scheduler:
         if self.cost_model is not None:
             decision.predicted_seconds = self.cost_model.predict(
                 decision.num_tokens, decision.num_segments, decision.num_decodes)
+            if n_la:
+                decision.plain_seconds = self.cost_model.predict(num_tokens, num_segments, num_decodes)
         self.last_decision = decision
         return added
+
+    @property
+    def early_stop_share(self) -> float:
+        """The discounted share of recently finished requests that stopped before their length bound."""
+        return self._early_stops / self._num_ended
+
+    def _token_values(self, num_tokens: int, num_segments: int, num_decodes: int) -> dict[str, float] | None:
+        """What an output token of each running request is worth this step, relative to the most valuable
+        (1.0); None: every token alike (the "throughput" objective, or requests are waiting).
+
+        The "makespan" objective (``SchedulerConfig.lookahead_objective``) serves a closed batch -- nothing
+        waiting, as in an offline ``generate`` call, whose caller waits for its last request: a token then
+        shortens the batch only if its request would otherwise finish last. Request i's token saves about
+        ``p_i * C + (1 - p_i) * m`` seconds, where p_i is the chance it finishes last, C the cost of a step
+        and m what one plain decode adds to a step (a request that finishes early leaves later steps that
+        much cheaper). p_i is a softmax of the tokens it has left at most (max_tokens and max_model_len
+        bound them) with a temperature of ``sqrt(L) + h * L``, L the most any has left: requests about as
+        far from their bound are about as likely to be last, and one a few sqrt(L) ahead rarely is -- if
+        requests run to their bound. End of sequence is unforeseeable, so the more of them end early (h:
+        the share of recent requests that stopped before their bound), the less the bound tells apart,
+        and the more alike the values. While requests wait, ending any sooner admits the next: every
+        token is worth the same.
+
+        Worked example: four requests with 100, 100, 90 and 60 tokens left, h = 0, m / C = 0.1: the
+        temperature of 10 gives p = 0.42, 0.42, 0.15, 0.008, and values 1.0, 1.0, 0.50, 0.22."""
+        if self.config.lookahead_objective != "makespan" or self.waiting or self.cost_model is None:
+            return None
+        left = {r.request_id: min(r.sampling_params.max_tokens - r.num_output_tokens,
+                                  self.config.max_model_len - r.num_tokens) for r in self.running}
+        if len(left) < 2:
+            return None
+        most = max(left.values())
+        temperature = max(math.sqrt(most) + self.early_stop_share * most, 1.0)
+        weights = {rid: math.exp((n - most) / temperature) for rid, n in left.items()}
+        total = sum(weights.values())
+        step = self.cost_model.predict(num_tokens, num_segments, num_decodes)
+        if num_decodes and num_tokens > 1 and step > 0:
+            marginal = step - self.cost_model.predict(num_tokens - 1, num_segments, num_decodes - 1)
+            eps = min(max(marginal / step, 0.0), 1.0)
+        else:
+            eps = 1.0
+        saved = {rid: w / total + (1 - w / total) * eps for rid, w in weights.items()}
+        top = max(saved.values())
+        return {rid: v / top for rid, v in saved.items()}
 
     def _options(self, req: Request) -> list[Option]:
         """The rungs of the request's ladder it can run this step, with their tokens and expected gain."""
@@ -300,7 +357,10 @@ class Scheduler:
         d = self.last_decision
         if self.cost_model is None or d is None:
             return None
-        return self.cost_model.observe(d.num_tokens, d.num_segments, seconds, d.num_decodes)
+        predicted = self.cost_model.observe(d.num_tokens, d.num_segments, seconds, d.num_decodes)
+        if d.plain_seconds is not None and self.cost_model.learning_rate > 0:  # a frozen model stays as it is
+            self.lookahead_cost.observe(seconds, predicted, d.plain_seconds)
+        return predicted
 
     def _segment(
         self, req: Request, num_new: int, plan: tuple[LookaheadLayout, list[int]] | None = None
@@ -345,6 +405,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self._early_stops = 0.95 * self._early_stops + (status == RequestStatus.FINISHED_STOPPED)
+            self._num_ended = 0.95 * self._num_ended + 1.0
         req.status = status
         req.timing.finished = time.monotonic()
         self.kv.free(req.request_id)

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+import engine
+from engine import cli
 from engine.cli import main
 
 
@@ -25,3 +27,39 @@ def test_bad_flags_exit_with_usage_errors():
     missing = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "x", "--model", "/nonexistent"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "never downloaded" in missing.stderr
+
+
+# The adaptive policy's objective follows the command: a server values every token alike, a one-shot
+# generate waits for its batch to finish.
+
+
+@pytest.fixture
+def built(monkeypatch):
+    seen: list[dict] = []
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            seen.append(kwargs)
+
+    monkeypatch.setattr(engine, "LLM", FakeLLM)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("argv", "default", "expected"),
+    [
+        (["serve"], "throughput", "throughput"),
+        (["generate", "hi"], "makespan", "makespan"),
+        (["serve", "--lookahead-objective", "makespan"], "throughput", "makespan"),
+        (["generate", "hi", "--lookahead-objective", "throughput"], "makespan", "throughput"),
+    ],
+)
+def test_objective_defaults_by_command_and_follows_the_flag(built, argv, default, expected):
+    cli._engine_from_args(cli.build_parser().parse_args(argv), default)
+    assert built[-1]["lookahead_objective"] == expected
+
+
+def test_an_unknown_objective_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--lookahead-objective", "latency"])
+    assert "invalid choice" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from scheduler.policy import (
     AcceptanceModel,
     AdaptivePolicy,
     FixedPolicy,
+    LookaheadCostCheck,
     Option,
     ladder,
     prior_gain,
@@ -480,3 +481,101 @@ def test_optimism_shrinks_with_evidence():
     for i in range(100):
         a.observe(p, 2 if i % 2 else 1)  # half an extra token a step: about 0.77x the prior's 0.65
     assert 0.6 < a.multiplier < 0.9 and first > 1.4 and 1.0 < a.optimistic_extra(p) / a.expected_extra(p) < first
+
+
+# ---- the makespan objective and the lookahead cost check -------------------------------------------------
+
+
+def _closed_batch(objective: str, cost: StepCostModel, max_tokens: dict[str, int]) -> Scheduler:
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_model_len=512, lookahead_policy="adaptive",
+                          lookahead=LookaheadConfig(default=MAX), lookahead_explore_every=0,
+                          lookahead_objective=objective)
+    s = Scheduler(cfg, KVCacheManager(256, 4), cost)
+    for rid, n in max_tokens.items():  # the fake model outputs 5, and the pool has continuations of 5
+        s.add_request(Request(rid, [5, 6, 7, 8, 9] * 2 + [1, 2], SamplingParams(temperature=0, max_tokens=n)))
+    return s
+
+
+def test_makespan_values_follow_the_chance_of_finishing_last():
+    cost = StepCostModel([1, 512], [1.0, 1.0], per_decode=0.1 / 0.9 * 1.0, learning_rate=0.0)
+    s = _closed_batch("makespan", cost, {"a": 101, "b": 101, "c": 91, "d": 61})
+    s._early_stops = 0.0  # every request so far ran to its bound
+    _run(s, 1)  # the prefill: one token each, so 100, 100, 90 and 60 left
+    # A plain decode adds 0.111 to a step of 4 x 0.111 + 1.0 (m / C = 0.077): the docstring's example.
+    values = s._token_values(4, 0, 4)
+    assert values["a"] == values["b"] == 1.0
+    assert 1.0 > values["c"] > values["d"] > 0.0
+    assert values["c"] == pytest.approx(0.49, abs=0.02) and values["d"] == pytest.approx(0.20, abs=0.02)
+    s._early_stops = s._num_ended  # every request so far stopped early: the bound tells little
+    blurred = s._token_values(4, 0, 4)
+    assert blurred["c"] > values["c"] and blurred["d"] > values["d"] + 0.3
+    s.add_request(_request("waiting"))  # with a request waiting (max_num_seqs is 64, but it is not admitted
+    assert s._token_values(4, 0, 4) is None  # until the next step), every token is worth the same
+    assert _closed_batch("throughput", cost, {"a": 101, "b": 61})._token_values(2, 0, 2) is None
+
+
+def test_makespan_gives_lookahead_to_the_request_that_would_finish_last():
+    # A token costs 8% of a step: worth it for a request whose tokens count fully, not for one far ahead of
+    # the other (it will finish first however fast it goes).
+    cost = StepCostModel([1, 512], [1.0, 1.0 + 0.08 * 511], per_decode=0.1, learning_rate=0.0)
+    spans = {"long": 64, "short": 16}
+    throughput = _run(_closed_batch("throughput", cost, spans), 3)[-1].scheduled
+    assert [seg.lookahead is not None for seg in throughput] == [True, True]
+    s = _closed_batch("makespan", cost, spans)
+    s._early_stops = 0.0
+    makespan = _run(s, 3)[-1].scheduled
+    assert [(seg.req_id, seg.lookahead is not None) for seg in makespan] == [("long", True), ("short", False)]
+    # Equally far from the end, the two objectives choose alike.
+    for objective in ("throughput", "makespan"):
+        s = _closed_batch(objective, cost, {"a": 64, "b": 64})
+        assert [seg.lookahead is not None for seg in _run(s, 3)[-1].scheduled] == [True, True]
+
+
+def test_the_share_of_early_stops_is_learnt_from_finished_requests():
+    s = _closed_batch("makespan", flat_cost(), {"a": 2, "b": 2})
+    assert s.early_stop_share == pytest.approx(0.5)
+    _run(s, 3)  # both run to max_tokens
+    assert s.early_stop_share < 0.5
+
+
+def test_lookahead_cost_check_learns_the_ratio_of_observed_to_predicted_extra_cost():
+    check = LookaheadCostCheck(decay=1.0, min_steps=3)
+    for _ in range(2):
+        check.observe(1.30, 1.20, 1.00)  # lookahead added 0.30 where 0.20 was predicted
+    assert check.scale == 1.0  # too little evidence yet
+    check.observe(1.30, 1.20, 1.00)
+    check.observe(0.9, 0.95, 1.0)  # a step that costs less than plain says nothing here
+    assert check.scale == pytest.approx(1.5)
+    for _ in range(200):
+        check.observe(2.0, 1.1, 1.0)
+    assert check.scale == 2.0  # clamped
+
+
+def test_the_policy_plans_lookahead_at_the_checked_cost():
+    # 0.5% of a step per token: 0.2 extra tokens for 15 more tokens pay at the model's figure (2.2 tokens
+    # in 1.075 steps' time), not at twice its lookahead cost (2.2 in 1.15).
+    cost = StepCostModel([1, 512], [1.0, 1.0 + 0.005 * 511], learning_rate=0.0)
+    opts = [[Option(LookaheadParams(4, 3, 4), 16, 0.2)] for _ in range(2)]
+    policy = AdaptivePolicy(cost)
+    assert policy.choose(opts, 2, 0, 2.0, 4096).choices == [0, 0]
+    policy.extra_cost_scale = 2.0
+    assert policy.choose(opts, 2, 0, 2.0, 4096).choices == [None, None]
+
+
+def test_the_scheduler_feeds_the_cost_check_from_its_lookahead_steps():
+    s = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.1))  # 10 us a token
+    s.add_request(_request("a"))
+    _run(s, 1)
+    for _ in range(6):
+        _run(s, 1)
+        d = s.last_decision
+        assert d.predicted_seconds > d.plain_seconds > 0
+        s.observe_step(d.plain_seconds + 3 * (d.predicted_seconds - d.plain_seconds))  # it cost three times more
+    assert s.lookahead_cost.weight > 5 and s.policy.extra_cost_scale == 1.0
+    s.schedule()
+    assert s.policy.extra_cost_scale == 2.0  # clamped
+    frozen = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.0))
+    frozen.add_request(_request("a"))
+    _run(frozen, 2)
+    frozen.observe_step(1.0)
+    assert frozen.lookahead_cost.weight == 0  # a frozen model (tests inject them) is not corrected either
