@@ -14,9 +14,10 @@ greedy decoding token for token.
 
     .venv/bin/python benchmarks/lookahead.py --results benchmarks/RESULTS.md
 
-``--concurrency 1,4,16,32`` runs the scheduling study instead (``concurrency_study``: adaptive vs off vs
-fixed configs, one engine), and ``--window-value`` what a lookahead step without candidates is worth
-(``window_value_study``).
+``--concurrency 1,4,16,32`` runs the scheduling study instead (``concurrency_study``: adaptive, one mode
+per ``--objectives``, vs off vs ``--fixed`` configs, on one engine), and ``--window-value`` what a
+lookahead step without candidates is worth (``window_value_study``). ``--device cuda`` and ``--model``
+run any of them on a GPU or another model (``benchmarks/gpu_lookahead.sh`` does so on the device machine).
 
 Prompt files default to ../shared/data (``--mt-bench``, ``--humaneval``).
 """
@@ -149,12 +150,14 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     scheduler switches policy between modes, so every mode runs the same weights in the same memory."""
     budget = args.max_step_tokens
     log("profiling the step cost ...")
-    llm = LLM(dtype=args.dtype, max_num_batched_tokens=budget, max_num_seqs=256, lookahead_policy="adaptive")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=budget, max_num_seqs=256,
+              lookahead_policy="adaptive")
     cost = llm.engine.scheduler.cost_model
     profile = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in zip(cost.knots, cost.seconds))
-    adaptive_chosen: Counter[str] = Counter()
-    modes = [("off", "fixed", OFF)] + [(Row("", "", c, [], [], 0).label, "fixed", c) for c in args.fixed] + [
-        (f"adaptive (max {Row('', '', args.adaptive_max, [], [], 0).label[1:-1]})", "adaptive", args.adaptive_max)]
+    adaptive_chosen: dict[str, Counter[str]] = {}
+    top = Row('', '', args.adaptive_max, [], [], 0).label[1:-1]
+    modes = [("off", "fixed", OFF, None)] + [(Row("", "", c, [], [], 0).label, "fixed", c, None) for c in args.fixed] + [
+        (f"adaptive, {objective} (max {top})", "adaptive", args.adaptive_max, objective) for objective in args.objectives]
     lines = [
         f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max({args.min_prompts}, c) prompts "
         f"of each set at concurrency c (max_num_seqs = c), token budget {budget} per step. Each (set, c) runs every mode "
@@ -164,7 +167,8 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
         f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). All modes run on one engine, which switches policy between them. Step-cost profile at start-up "
         f"(tokens: ms): {profile}; {cost.per_segment * 1e3:.2f} ms per looped segment, "
         f"{cost.per_decode * 1e3:.2f} ms per plain decode, {cost.decode_overhead * 1e3:.2f} ms for a step having plain "
-        "decodes.\n",
+        "decodes. 'vs best other' compares each mode with the best mode of the other policy (adaptive against off "
+        "and the fixed configs; those against every other mode).\n",
         "| prompts | c | mode | requests | tokens | steps | tokens/step | wall s | tok/s | vs off | vs best other | "
         "step-time model error | identical to off | mean matching prefix |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -172,16 +176,17 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     for name, all_prompts in sets.items():
         for c in args.concurrency:
             prompts = all_prompts[: max(args.min_prompts, c)]
-            runnable = [(label, policy, config) for label, policy, config in modes
+            runnable = [(label, policy, config, objective) for label, policy, config, objective in modes
                         if config.is_plain or policy == "adaptive" or c * step_tokens(
                             config.window_size, config.ngram_size, config.verification_set_size) <= args.max_fixed_step_tokens]
             # Per mode: outputs of the first round, wall seconds, tokens, steps, model |error| and step seconds.
-            acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True, []] for label, _, _ in runnable}
+            acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True, []] for label, *_ in runnable}
             for rnd in range(args.rounds):
-                for label, policy, config in (runnable if rnd % 2 == 0 else runnable[::-1]):
+                for label, policy, config, objective in (runnable if rnd % 2 == 0 else runnable[::-1]):
                     eng = llm.engine
                     eng.scheduler.set_lookahead_policy(policy)
-                    eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c)
+                    eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c,
+                                                   lookahead_objective=objective or "throughput")
                     before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
                     chosen_before = Counter(eng.lookahead_chosen)
                     log(f"{name} c={c} {label} on {len(prompts)} prompts, round {rnd + 1}/{args.rounds} ...")
@@ -198,20 +203,23 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                     a[7].append(toks / seconds)
                     a[3] += sum(o.metrics.num_steps for o in outs)
                     if policy == "adaptive":
-                        adaptive_chosen.update(eng.lookahead_chosen - chosen_before)
+                        adaptive_chosen.setdefault(label, Counter()).update(eng.lookahead_chosen - chosen_before)
                     a[4] += eng.step_abs_error_seconds_total - before[0]
                     a[5] += eng.step_seconds_total - before[1]
                     log(f"  {a[2] / a[3]:.3f} tokens/step, {a[2] / a[1]:.1f} tok/s so far")
+            first_row = len(lines)
             off_ids = [o.outputs[0].token_ids for o in acc["off"][0]]
             rates = {lab: a[2] / a[1] for lab, a in acc.items()}
-            for lab, _, config in modes:
+            policy_of = {lab: policy for lab, policy, *_ in modes}
+            for lab, _, config, _ in modes:
                 if lab not in acc:
                     lines.append(f"| {name} | {c} | {lab} | {len(prompts)} | skipped | | | | | | | | | |")
                     continue
                 outs, seconds, toks, steps, d_err, d_sec, stable, per_round = acc[lab]
                 err = d_err / d_sec if d_sec else None
                 ids = [o.outputs[0].token_ids for o in outs]
-                best_label = max((k for k in rates if k != lab), key=rates.__getitem__)
+                others = [k for k in rates if k != lab and (policy_of[lab] != "adaptive" or policy_of[k] != "adaptive")]
+                best_label = max(others, key=rates.__getitem__)
                 best_other = rates[best_label]
                 spread = [r / b for r, b in zip(per_round, acc[best_label][7])]
                 same = sum(a == b for a, b in zip(ids, off_ids))
@@ -223,8 +231,10 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                     f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if stable else ' (varied by round)'} | "
                     f"{match * 100:.1f}% |"
                 )
-    chosen = ", ".join(f"{k}: {v}" for k, v in adaptive_chosen.most_common(8))
-    lines.append(f"\nAdaptive mode, lookahead segments run by (w,n,g), most common first: {chosen or 'none'}.")
+            log("cell done:\n" + "\n".join(lines[first_row:]))  # a run cut short keeps the cells it finished
+    for label, counts in adaptive_chosen.items():
+        chosen = ", ".join(f"{k}: {v}" for k, v in counts.most_common(8))
+        lines.append(f"\nMode {label}, lookahead segments run by (w,n,g), most common first: {chosen or 'none'}.")
     return "\n".join(lines)
 
 
@@ -237,7 +247,8 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
     from scheduler import Scheduler
     from scheduler.policy import prior_gain
 
-    llm = LLM(dtype=args.dtype, max_num_batched_tokens=args.max_step_tokens, max_num_seqs=1)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_step_tokens,
+              max_num_seqs=1)
     options = Scheduler._options
 
     def with_candidates_only(self, req):
@@ -279,7 +290,8 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
 
 
 def _header() -> str:
-    return (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+    gpu = f", GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"Machine: {platform.platform()}, {os.cpu_count()} CPUs{gpu}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads\n\nCommand: `{shlex.join([sys.executable.split('/')[-1], *sys.argv])}`")
 
 
@@ -302,6 +314,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="semicolon-separated W,N,G (default: 15,5,15;7,5,7;5,3,5;4,3,4)")
     ap.add_argument("--modes", default="batch,single", help="batch and/or single (default: %(default)s)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    ap.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: the embedded model)")
     ap.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",")], default=[],
                     help="also run batch mode on the first 10 prompts once per request seed (the window's random "
                          "start) and report the spread of the compression ratio, e.g. 0,1,2,3,4")
@@ -311,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="fixed configs of the concurrency study (default: 15,5,15;4,3,4)")
     ap.add_argument("--adaptive-max", type=lambda t: parse_configs(t)[0], default=LookaheadParams(15, 5, 15),
                     help="every request's maximum (W,N,G) under the adaptive policy (default: 15,5,15)")
+    ap.add_argument("--objectives", type=lambda t: t.split(","), default=["makespan"],
+                    help="adaptive modes of the study, one per lookahead objective: makespan and/or throughput "
+                         "(default: makespan, what LLM.generate uses)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="runs of every mode per (set, concurrency) in the study, alternating order (default: %(default)s)")
     ap.add_argument("--min-prompts", type=int, default=4,
@@ -324,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     study = window_value_study if args.window_value else concurrency_study if args.concurrency else None
     if study is not None:
-        llm0 = LLM(dtype=args.dtype, num_kv_blocks=64)  # only for the chat template
+        llm0 = LLM(args.model, dtype=args.dtype, num_kv_blocks=64)  # only for the chat template
         sets = load_prompts(llm0, args.mt_bench, args.humaneval, max(args.concurrency + [args.min_prompts]))
         del llm0
         heading = "Lookahead window value" if args.window_value else "Lookahead scheduling"
@@ -333,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
 
     budget = max(step_tokens(c.window_size, c.ngram_size, c.verification_set_size) for c in args.configs)
     # Room for every request's largest lookahead segment at once: no request falls back for lack of budget.
-    llm = LLM(dtype=args.dtype, max_num_batched_tokens=max(512, budget * args.num_prompts), max_num_seqs=256)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=max(512, budget * args.num_prompts),
+              max_num_seqs=256)
     sets = load_prompts(llm, args.mt_bench, args.humaneval, args.num_prompts)
     rows: list[Row] = []
     for mode in filter(None, args.modes.split(",")):
