@@ -95,3 +95,17 @@ def hf_greedy(model_path, prompts: list[list[int]], max_new_tokens: int) -> list
             y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False)
             outs.append(y[0, len(ids) :].tolist())
     return outs
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: without it they are reported as skipped, never passed."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
