@@ -141,7 +141,7 @@ class AcceptanceModel:
         return (k0 * self.prior_multiplier + self.observed) / (k0 + self.predicted)
 
     def expected_extra(self, params: LookaheadParams, num_found: int | None = None) -> float:
-        return self.multiplier * _gain(params, num_found)
+        return self.multiplier * planned_gain(params, num_found)
 
     def optimistic_extra(self, params: LookaheadParams, num_found: int | None = None, beta: float = 1.0) -> float:
         """``expected_extra`` with the multiplier raised by ``beta`` standard errors (an upper confidence
@@ -151,9 +151,12 @@ class AcceptanceModel:
         -- would keep it plain for good. The policy plans with the bare estimate: on the default model the
         bare figure matched the extra tokens accepted within 6% at concurrency 16, and planning with this
         one (18% higher there) ran lookahead where it does not pay (benchmarks/RESULTS.md)."""
+        return self.multipliers(beta)[1] * planned_gain(params, num_found)
+
+    def multipliers(self, beta: float = 1.0) -> tuple[float, float]:
+        """The multiplier, and it raised by ``beta`` standard errors (``optimistic_extra``'s)."""
         m = self.multiplier
-        bonus = beta * math.sqrt(max(m, 0.25) / (self.prior_weight + self.predicted))
-        return (m + bonus) * _gain(params, num_found)
+        return m, m + beta * math.sqrt(max(m, 0.25) / (self.prior_weight + self.predicted))
 
     def observe(self, params: LookaheadParams | None, num_accepted: int, num_found: int | None = None) -> None:
         """One step of the request: ``params`` None for a plain step; ``num_accepted`` output tokens;
@@ -167,6 +170,7 @@ class AcceptanceModel:
                 self.predicted += now
 
 
+@functools.lru_cache(maxsize=8192)
 def _gain_now(params: LookaheadParams, num_found: int | None) -> float:
     """The prior's extra tokens from verifying this step's candidates: k = min(g, found) of them."""
     n = params.ngram_size
@@ -176,7 +180,8 @@ def _gain_now(params: LookaheadParams, num_found: int | None) -> float:
     return NOW_SCALE * (1 - math.exp(-k / FOUND_SCALE)) * (1 - 0.5 ** (n - 1))
 
 
-def _gain(params: LookaheadParams, num_found: int | None) -> float:
+@functools.lru_cache(maxsize=8192)
+def planned_gain(params: LookaheadParams, num_found: int | None) -> float:
     """The prior's extra tokens of one step at ``params``: verifying now, and the window's n-grams later."""
     later = WINDOW_VALUE * prior_gain(params.window_size, params.ngram_size, params.verification_set_size)
     return _gain_now(params, num_found) + (0.0 if params.verify_only else later)
@@ -209,6 +214,8 @@ class Decision:
     predicted_seconds: float
     num_decodes: int = 0
     plain_seconds: float | None = None  # the same step with every request decoding plainly, predicted
+    explored: bool = False  # the policy's exploration chose this step
+    observed_seconds: float | None = None  # what the step took, once it ran
 
 
 class AdaptivePolicy:
@@ -222,7 +229,14 @@ class AdaptivePolicy:
     explore_every: every so many steps that have candidates, one request -- the one with the best
     optimistic gain per token -- runs its cheapest rung even if the models say it does not pay, so that the
     cost model sees lookahead-sized steps and the acceptance model sees the request, and a wrong prior
-    cannot lock lookahead out for good (0: never)."""
+    cannot lock lookahead out for good (0: never). Exploring costs a step's worth of lookahead where it
+    may not pay, so the interval backs off: each explored step that did not pay in hindsight (the
+    scheduler reports it, ``exploration_paid``) doubles it, up to ``MAX_EXPLORE_BACKOFF`` times
+    ``explore_every``, and one that paid brings it back. On chat text at concurrency 4 on a 2-core CPU,
+    where no lookahead pays, fixed-interval exploration was most of the lookahead steps run and cost about
+    2% of the wall time (benchmarks/RESULTS.md)."""
+
+    MAX_EXPLORE_BACKOFF = 16
 
     name = "adaptive"
 
@@ -232,7 +246,8 @@ class AdaptivePolicy:
         # What lookahead adds to a step, observed over predicted (``LookaheadCostCheck``): the policy plans
         # a step's cost beyond the all-plain step at this times the model's figure.
         self.extra_cost_scale = 1.0
-        self._num_calls = 0
+        self.explore_interval = explore_every
+        self._since_explore = 0
 
     def choose(
         self,
@@ -250,15 +265,18 @@ class AdaptivePolicy:
         # The model is fixed within a step: each step shape is predicted once.
         cost = _Memo(self.cost, (base_tokens, base_segments, decodes), self.extra_cost_scale)
         start = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
-        self._num_calls += 1
-        if self.explore_every and self._num_calls % self.explore_every == 0 and options:
+        self._since_explore += 1
+        if self.explore_every and self._since_explore >= self.explore_interval and options:
             # Explore: the request with the best optimistic gain per token runs its cheapest rung.
+            self._since_explore = 0
             r = max(range(len(options)), key=lambda i: options[i][0].optimistic_extra / options[i][0].num_tokens
                     if options[i] else -1.0)
             if options[r] and options[r][0].num_tokens - 1 <= budget:
                 _set_rung(start, options, r, 0)
             start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
-            return self._upgrade(start, options, base_tokens, budget, cost)
+            decision = self._upgrade(start, options, base_tokens, budget, cost)
+            decision.explored = True
+            return decision
         start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
         best_uniform = None
         for j in range(max((len(o) for o in options), default=0)):
@@ -279,6 +297,11 @@ class AdaptivePolicy:
             if _rate(other) > _rate(best) * (1 + 1e-9):
                 best = other
         return best
+
+    def exploration_paid(self, paid: bool) -> None:
+        """How an explored step turned out: more tokens per second than the step decoded plainly, or not."""
+        cap = self.explore_every * self.MAX_EXPLORE_BACKOFF
+        self.explore_interval = self.explore_every if paid else min(self.explore_interval * 2, cap)
 
     def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int,
                  cost: _Memo) -> Decision:

@@ -14,6 +14,7 @@ only from free blocks: when they are short the request decodes plainly; lookahea
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -26,7 +27,21 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost import StepCostModel
 from scheduler.lookahead import LookaheadLayout, LookaheadState
 from scheduler.params import LookaheadParams
-from scheduler.policy import AcceptanceModel, AdaptivePolicy, Decision, FixedPolicy, LookaheadCostCheck, Option, ladder
+from scheduler.policy import (
+    AcceptanceModel,
+    AdaptivePolicy,
+    Decision,
+    FixedPolicy,
+    LookaheadCostCheck,
+    Option,
+    ladder,
+    planned_gain,
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def _verify_rung(ngram_size: int, num_candidates: int) -> LookaheadParams:
+    return LookaheadParams(0, ngram_size, num_candidates)
 from scheduler.request import Request, RequestStatus
 
 
@@ -180,6 +195,7 @@ class Scheduler:
         """Advance every scheduled request by what the runner computed; return those given new tokens."""
         now = time.monotonic()
         updated = []
+        self._report_exploration(sched_out, runner_out)
         for i, (seg, sampled) in enumerate(zip(sched_out.scheduled, runner_out.sampled_token_ids, strict=True)):
             req = self.requests.get(seg.req_id)
             if req is None or req.status.finished:
@@ -215,6 +231,18 @@ class Scheduler:
         return updated
 
     # ---- internals -----------------------------------------------------------------------------
+    def _report_exploration(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Tell the policy whether the step it explored paid: more output tokens per second than the same
+        step decoded plainly was predicted to give (one token per sampling segment)."""
+        d = self.last_decision
+        if d is None or not d.explored or d.observed_seconds is None or d.plain_seconds is None:
+            return
+        if not isinstance(self.policy, AdaptivePolicy):
+            return
+        produced = sum(len(sampled) for sampled in runner_out.sampled_token_ids)
+        plain = sum(seg.sample for seg in sched_out.scheduled)
+        self.policy.exploration_paid(produced * d.plain_seconds >= plain * d.observed_seconds)
+
     def _schedule_lookahead(self, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Turn chosen plain decodes into lookahead segments in place; return the tokens added."""
         cands: list[tuple[int, Request, list[Option]]] = []
@@ -329,6 +357,7 @@ class Scheduler:
         num_found: dict[int, int] = {}
         seen_verify: set[LookaheadParams] = set()
         opts = []
+        expected, optimistic = acceptance.multipliers()
         for p in ladder(req.max_lookahead):
             n = p.ngram_size
             if n not in num_found:
@@ -337,7 +366,7 @@ class Scheduler:
                 if not num_found[n]:
                     continue  # nothing to verify: the step would be a plain decode
                 # Verifying g candidates where the pool has fewer is verifying those it has: one option each.
-                p = LookaheadParams(0, n, min(p.verification_set_size, num_found[n]))
+                p = _verify_rung(n, min(p.verification_set_size, num_found[n]))
                 if p in seen_verify:
                     continue
                 seen_verify.add(p)
@@ -349,7 +378,8 @@ class Scheduler:
                 continue  # the segment would reach past the model's positions
             num_tokens = num_window + min(p.verification_set_size, num_found[n]) * (n - 1)
             found = num_found[n]
-            opts.append(Option(p, num_tokens, acceptance.expected_extra(p, found), acceptance.optimistic_extra(p, found)))
+            gain = planned_gain(p, found)
+            opts.append(Option(p, num_tokens, expected * gain, optimistic * gain))
         return opts
 
     def observe_step(self, seconds: float) -> float | None:
@@ -357,6 +387,7 @@ class Scheduler:
         d = self.last_decision
         if self.cost_model is None or d is None:
             return None
+        d.observed_seconds = seconds
         predicted = self.cost_model.observe(d.num_tokens, d.num_segments, seconds, d.num_decodes)
         if d.plain_seconds is not None and self.cost_model.learning_rate > 0:  # a frozen model stays as it is
             self.lookahead_cost.observe(seconds, predicted, d.plain_seconds)

@@ -326,6 +326,51 @@ def test_exploration_tries_the_cheapest_rung_of_the_most_promising_request_now_a
     assert AdaptivePolicy(linear_cost(), explore_every=1).choose(opts, 2, 0, 2, budget=2).choices == [None, None]
 
 
+def test_exploration_backs_off_while_it_does_not_pay():
+    policy = AdaptivePolicy(linear_cost(), explore_every=4)
+    opts = [_options(0.5), _options(2.0)]
+
+    def explored_at() -> list[int]:
+        return [i for i in range(200) if policy.choose(opts, 2, 0, 2, 4096).explored]
+
+    assert explored_at()[:3] == [3, 7, 11]
+    policy.exploration_paid(False)
+    policy.exploration_paid(False)
+    assert policy.explore_interval == 16
+    gaps = explored_at()
+    assert gaps[1] - gaps[0] == 16
+    for _ in range(10):
+        policy.exploration_paid(False)
+    assert policy.explore_interval == 4 * AdaptivePolicy.MAX_EXPLORE_BACKOFF  # it never stops altogether
+    policy.exploration_paid(True)
+    assert policy.explore_interval == 4
+
+
+def test_the_scheduler_reports_whether_an_explored_step_paid():
+    # Compute bound: exploration is the only lookahead. The fake model accepts nothing beyond x, so no
+    # explored step pays, and exploration backs off; one that accepts a whole candidate pays.
+    s = _adaptive_scheduler(StepCostModel([1, 4096], [0.01, 0.01 + 4095 * 0.002], learning_rate=0.1))
+    s.policy = AdaptivePolicy(s.cost_model, explore_every=2)
+    for i in range(2):
+        s.add_request(_request(f"r{i}"))
+
+    def run(steps: int, accepted: list[int]) -> int:
+        explored = 0
+        for _ in range(steps):
+            so = s.schedule()
+            d = s.last_decision
+            s.observe_step(s.cost_model.predict(d.num_tokens, d.num_segments, d.num_decodes))
+            sampled = [(accepted if seg.lookahead else [5]) if seg.sample else [] for seg in so.scheduled]
+            window = [[5] * (seg.lookahead.num_last_level if seg.lookahead else 0) for seg in so.scheduled]
+            s.update_from_output(so, ModelRunnerOutput([g.req_id for g in so.scheduled], sampled, window))
+            explored += d.explored
+        return explored
+
+    assert run(12, [5]) >= 2 and s.policy.explore_interval > 2
+    run(s.policy.explore_interval + 1, [5, 6, 7])  # two extra tokens for a few more tokens' time
+    assert s.policy.explore_interval == 2
+
+
 def test_the_policy_plans_with_the_expected_gain_and_explores_by_the_optimistic_one():
     # Request 0's optimistic 3 extra tokens would pay for its 16-token rung (5 tokens in 21 ms against 2 in
     # 11 ms), its expected 0.5 does not; request 1 expects more (0.6) but has less upside (0.8).
