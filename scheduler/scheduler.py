@@ -15,7 +15,6 @@ only from free blocks: when they are short the request decodes plainly; lookahea
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from scheduler.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.config import SchedulerConfig
 from scheduler.cost import StepCostModel
 from scheduler.lookahead import LookaheadLayout, LookaheadState
+from scheduler.objective import EarlyStops, makespan_values
 from scheduler.params import LookaheadParams
 from scheduler.policy import (
     AcceptanceModel,
@@ -37,12 +37,12 @@ from scheduler.policy import (
     ladder,
     planned_gain,
 )
+from scheduler.request import Request, RequestStatus
 
 
 @functools.lru_cache(maxsize=1024)
 def _verify_rung(ngram_size: int, num_candidates: int) -> LookaheadParams:
     return LookaheadParams(0, ngram_size, num_candidates)
-from scheduler.request import Request, RequestStatus
 
 
 class Scheduler:
@@ -62,9 +62,8 @@ class Scheduler:
         self._acceptance: dict[str, AcceptanceModel] = {}
         # Every request's lookahead steps together, slowly discounted: where a new request's model starts.
         self._acceptance_all = AcceptanceModel(prior_weight=8.0, decay=0.999)
-        # Finished requests that stopped before their length bound, and all finished, discounted: the share
-        # tells the "makespan" objective how much a request's bound says about when it ends (1:1 prior).
-        self._early_stops, self._num_ended = 1.0, 2.0
+        # How many recent requests stopped before their length bound: how much a bound says (makespan objective).
+        self.early_stops = EarlyStops()
         self.lookahead_cost = LookaheadCostCheck()  # what lookahead really adds to a step, over the model's figure
         self.last_decision: Decision | None = None
         self.last_lookahead: list[LookaheadParams] = []  # the (w, n, g) each lookahead segment ran last step
@@ -304,49 +303,22 @@ class Scheduler:
         self.last_decision = decision
         return added
 
-    @property
-    def early_stop_share(self) -> float:
-        """The discounted share of recently finished requests that stopped before their length bound."""
-        return self._early_stops / self._num_ended
-
     def _token_values(self, num_tokens: int, num_segments: int, num_decodes: int) -> dict[str, float] | None:
         """What an output token of each running request is worth this step, relative to the most valuable
-        (1.0); None: every token alike (the "throughput" objective, or requests are waiting).
-
-        The "makespan" objective (``SchedulerConfig.lookahead_objective``) serves a closed batch -- nothing
-        waiting, as in an offline ``generate`` call, whose caller waits for its last request: a token then
-        shortens the batch only if its request would otherwise finish last. Request i's token saves about
-        ``p_i * C + (1 - p_i) * m`` seconds, where p_i is the chance it finishes last, C the cost of a step
-        and m what one plain decode adds to a step (a request that finishes early leaves later steps that
-        much cheaper). p_i is a softmax of the tokens it has left at most (max_tokens and max_model_len
-        bound them) with a temperature of ``sqrt(L) + h * L``, L the most any has left: requests about as
-        far from their bound are about as likely to be last, and one a few sqrt(L) ahead rarely is -- if
-        requests run to their bound. End of sequence is unforeseeable, so the more of them end early (h:
-        the share of recent requests that stopped before their bound), the less the bound tells apart,
-        and the more alike the values. While requests wait, ending any sooner admits the next: every
-        token is worth the same.
-
-        Worked example: four requests with 100, 100, 90 and 60 tokens left, h = 0, m / C = 0.1: the
-        temperature of 10 gives p = 0.42, 0.42, 0.15, 0.008, and values 1.0, 1.0, 0.50, 0.22."""
+        (1.0); None: every token alike -- the "throughput" objective, or requests are waiting (ending any
+        sooner admits the next). The "makespan" objective: ``scheduler.objective``."""
         if self.config.lookahead_objective != "makespan" or self.waiting or self.cost_model is None:
             return None
         left = {r.request_id: min(r.sampling_params.max_tokens - r.num_output_tokens,
                                   self.config.max_model_len - r.num_tokens) for r in self.running}
         if len(left) < 2:
             return None
-        most = max(left.values())
-        temperature = max(math.sqrt(most) + self.early_stop_share * most, 1.0)
-        weights = {rid: math.exp((n - most) / temperature) for rid, n in left.items()}
-        total = sum(weights.values())
         step = self.cost_model.predict(num_tokens, num_segments, num_decodes)
-        if num_decodes and num_tokens > 1 and step > 0:
-            marginal = step - self.cost_model.predict(num_tokens - 1, num_segments, num_decodes - 1)
-            eps = min(max(marginal / step, 0.0), 1.0)
+        if num_decodes and num_tokens > 1 and step > 0:  # what one plain decode adds to this step, as a share
+            share = (step - self.cost_model.predict(num_tokens - 1, num_segments, num_decodes - 1)) / step
         else:
-            eps = 1.0
-        saved = {rid: w / total + (1 - w / total) * eps for rid, w in weights.items()}
-        top = max(saved.values())
-        return {rid: v / top for rid, v in saved.items()}
+            share = 1.0
+        return makespan_values(left, share, self.early_stops.share)
 
     def _options(self, req: Request) -> list[Option]:
         """The rungs of the request's ladder it can run this step, with their tokens and expected gain."""
@@ -437,8 +409,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self._early_stops = 0.95 * self._early_stops + (status == RequestStatus.FINISHED_STOPPED)
-            self._num_ended = 0.95 * self._num_ended + 1.0
+            self.early_stops.observe(status == RequestStatus.FINISHED_STOPPED)
         req.status = status
         req.timing.finished = time.monotonic()
         self.kv.free(req.request_id)

@@ -18,6 +18,7 @@ from scheduler.batch import ModelRunnerOutput
 from scheduler.config import LookaheadConfig
 from scheduler.cost import StepCostModel
 from scheduler.lookahead import LookaheadLayout, step_tokens
+from scheduler.objective import makespan_values
 from scheduler.policy import (
     PRIOR_HIT_RATE,
     WINDOW_VALUE,
@@ -541,17 +542,24 @@ def _closed_batch(objective: str, cost: StepCostModel, max_tokens: dict[str, int
     return s
 
 
+def test_makespan_values_of_the_worked_example():
+    values = makespan_values({"a": 100, "b": 100, "c": 90, "d": 60}, marginal_share=0.1, early_stop_share=0.0)
+    assert values == pytest.approx({"a": 1.0, "b": 1.0, "c": 0.50, "d": 0.22}, abs=0.01)
+    assert makespan_values({"a": 7, "b": 7}, 0.1, 0.5) == {"a": 1.0, "b": 1.0}  # alike: the throughput decision
+    assert makespan_values({"a": 100, "b": 0}, 1.0, 0.0) == {"a": 1.0, "b": 1.0}  # a decode costs a whole step
+
+
 def test_makespan_values_follow_the_chance_of_finishing_last():
     cost = StepCostModel([1, 512], [1.0, 1.0], per_decode=0.1 / 0.9 * 1.0, learning_rate=0.0)
     s = _closed_batch("makespan", cost, {"a": 101, "b": 101, "c": 91, "d": 61})
-    s._early_stops = 0.0  # every request so far ran to its bound
+    s.early_stops.early = 0.0  # every request so far ran to its bound
     _run(s, 1)  # the prefill: one token each, so 100, 100, 90 and 60 left
     # A plain decode adds 0.111 to a step of 4 x 0.111 + 1.0 (m / C = 0.077): the docstring's example.
     values = s._token_values(4, 0, 4)
     assert values["a"] == values["b"] == 1.0
     assert 1.0 > values["c"] > values["d"] > 0.0
     assert values["c"] == pytest.approx(0.49, abs=0.02) and values["d"] == pytest.approx(0.20, abs=0.02)
-    s._early_stops = s._num_ended  # every request so far stopped early: the bound tells little
+    s.early_stops.early = s.early_stops.ended  # every request so far stopped early: the bound tells little
     blurred = s._token_values(4, 0, 4)
     assert blurred["c"] > values["c"] and blurred["d"] > values["d"] + 0.3
     s.add_request(_request("waiting"))  # with a request waiting (max_num_seqs is 64, but it is not admitted
@@ -567,7 +575,7 @@ def test_makespan_gives_lookahead_to_the_request_that_would_finish_last():
     throughput = _run(_closed_batch("throughput", cost, spans), 3)[-1].scheduled
     assert [seg.lookahead is not None for seg in throughput] == [True, True]
     s = _closed_batch("makespan", cost, spans)
-    s._early_stops = 0.0
+    s.early_stops.early = 0.0
     makespan = _run(s, 3)[-1].scheduled
     assert [(seg.req_id, seg.lookahead is not None) for seg in makespan] == [("long", True), ("short", False)]
     # Equally far from the end, the two objectives choose alike.
@@ -578,9 +586,9 @@ def test_makespan_gives_lookahead_to_the_request_that_would_finish_last():
 
 def test_the_share_of_early_stops_is_learnt_from_finished_requests():
     s = _closed_batch("makespan", flat_cost(), {"a": 2, "b": 2})
-    assert s.early_stop_share == pytest.approx(0.5)
+    assert s.early_stops.share == pytest.approx(0.5)
     _run(s, 3)  # both run to max_tokens
-    assert s.early_stop_share < 0.5
+    assert s.early_stops.share < 0.5
 
 
 def test_lookahead_cost_check_learns_the_ratio_of_observed_to_predicted_extra_cost():
