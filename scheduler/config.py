@@ -54,6 +54,9 @@ class SchedulerConfig:
     lookahead_policy: str = "fixed"
     # adaptive: every so many steps, one lookahead upgrade runs even if predicted not to pay (0 = never)
     lookahead_explore_every: int = 16
+    # adaptive: a step runs lookahead only if its expected rate beats the all-plain step's by this share
+    # (the step-time model's own error is about 5%: gains inside it are mostly the winner's curse)
+    lookahead_min_gain: float = 0.05
     # adaptive: what a token is worth. "throughput": every output token alike, so each step maximises
     # expected tokens per second (the sum of the requests' latencies, to first order: a server's aim);
     # "makespan": while nothing waits, a token counts by the chance its request would finish last, so the
@@ -67,6 +70,8 @@ class SchedulerConfig:
             raise ValueError(f"lookahead_objective must be 'throughput' or 'makespan', got {self.lookahead_objective!r}")
         if not isinstance(self.lookahead_explore_every, int) or self.lookahead_explore_every < 0:
             raise ValueError(f"lookahead_explore_every must be a non-negative int, got {self.lookahead_explore_every!r}")
+        if not isinstance(self.lookahead_min_gain, (int, float)) or not 0.0 <= self.lookahead_min_gain < 1.0:
+            raise ValueError(f"lookahead_min_gain must be a number in [0, 1), got {self.lookahead_min_gain!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is None and name == "max_model_len":

@@ -215,6 +215,7 @@ class Decision:
     num_decodes: int = 0
     plain_seconds: float | None = None  # the same step with every request decoding plainly, predicted
     explored: bool = False  # the policy's exploration chose this step
+    adaptive: bool = False  # the adaptive policy chose it (what the lookahead cost check learns from)
     observed_seconds: float | None = None  # what the step took, once it ran
 
 
@@ -234,15 +235,22 @@ class AdaptivePolicy:
     scheduler reports it, ``exploration_paid``) doubles it, up to ``MAX_EXPLORE_BACKOFF`` times
     ``explore_every``, and one that paid brings it back. On chat text at concurrency 4 on a 2-core CPU,
     where no lookahead pays, fixed-interval exploration was most of the lookahead steps run and cost about
-    2% of the wall time (benchmarks/RESULTS.md)."""
+    2% of the wall time (benchmarks/RESULTS.md).
+
+    min_gain: outside exploration, a step runs lookahead only if its expected rate beats the all-plain
+    step's by this share. The step-time model's error is about 5% a step, and the policy picks the steps
+    the model flatters: on the default model (bf16, 2-core CPU) lookahead steps it predicted to beat plain
+    by under 5% ran at 1.00x plain at concurrency 1 and 0.83-0.90x at concurrency 4, while those
+    predicted at 1.2-1.5x ran at 1.39x (benchmarks/RESULTS.md)."""
 
     MAX_EXPLORE_BACKOFF = 16
 
     name = "adaptive"
 
-    def __init__(self, cost_model: StepCostModel, explore_every: int = 0) -> None:
+    def __init__(self, cost_model: StepCostModel, explore_every: int = 0, min_gain: float = 0.0) -> None:
         self.cost = cost_model
         self.explore_every = explore_every
+        self.min_gain = min_gain
         # What lookahead adds to a step, observed over predicted (``LookaheadCostCheck``): the policy plans
         # a step's cost beyond the all-plain step at this times the model's figure.
         self.extra_cost_scale = 1.0
@@ -275,9 +283,10 @@ class AdaptivePolicy:
                 _set_rung(start, options, r, 0)
             start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
             decision = self._upgrade(start, options, base_tokens, budget, cost)
-            decision.explored = True
+            decision.explored = decision.adaptive = True
             return decision
         start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
+        plain = Decision(list(start.choices), base_tokens, base_segments, base_yield, start.predicted_seconds, decodes)
         best_uniform = None
         for j in range(max((len(o) for o in options), default=0)):
             uniform = Decision(list(start.choices), start.num_tokens, start.num_segments, start.expected_tokens,
@@ -296,6 +305,9 @@ class AdaptivePolicy:
             other = self._upgrade(best_uniform, options, base_tokens, budget, cost)
             if _rate(other) > _rate(best) * (1 + 1e-9):
                 best = other
+        if self.min_gain and _rate(best) < _rate(plain) * (1 + self.min_gain):
+            best = plain  # a gain inside the model's error: plain
+        best.adaptive = True
         return best
 
     def exploration_paid(self, paid: bool) -> None:

@@ -79,7 +79,8 @@ class Scheduler:
         if name == "adaptive" and self.cost_model is None:
             raise ValueError("the adaptive lookahead policy needs a step-cost model")
         self.config = replace(self.config, lookahead_policy=name)  # validates the name
-        self.policy = (AdaptivePolicy(self.cost_model, self.config.lookahead_explore_every)
+        self.policy = (AdaptivePolicy(self.cost_model, self.config.lookahead_explore_every,
+                                      self.config.lookahead_min_gain)
                        if name == "adaptive" else FixedPolicy())
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -361,7 +362,8 @@ class Scheduler:
             return None
         d.observed_seconds = seconds
         predicted = self.cost_model.observe(d.num_tokens, d.num_segments, seconds, d.num_decodes)
-        if d.plain_seconds is not None and self.cost_model.learning_rate > 0:  # a frozen model stays as it is
+        # The check corrects the adaptive policy's own picks: a fixed policy's steps are not picked by cost.
+        if d.plain_seconds is not None and d.adaptive and self.cost_model.learning_rate > 0:  # a frozen model stays
             self.lookahead_cost.observe(seconds, predicted, d.plain_seconds)
         return predicted
 

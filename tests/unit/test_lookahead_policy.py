@@ -7,6 +7,7 @@ decoding, low-acceptance requests lose their share first, and the budget is neve
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -613,6 +614,40 @@ def test_the_policy_plans_lookahead_at_the_checked_cost():
     assert policy.choose(opts, 2, 0, 2.0, 4096).choices == [0, 0]
     policy.extra_cost_scale = 2.0
     assert policy.choose(opts, 2, 0, 2.0, 4096).choices == [None, None]
+
+
+def test_lookahead_inside_the_min_gain_runs_plain():
+    # Two requests decoding plainly: 2 tokens in 1.005 s. Both at (4,3,4), 0.2 extra tokens each: 2.4 in
+    # 1.155 s, 4.4% more tokens per second; 0.3 extra each: 13% more.
+    cost = StepCostModel([1, 512], [1.0, 1.0 + 0.005 * 511], learning_rate=0.0)
+    small = [[Option(LookaheadParams(4, 3, 4), 16, 0.2)] for _ in range(2)]
+    large = [[Option(LookaheadParams(4, 3, 4), 16, 0.3)] for _ in range(2)]
+    assert AdaptivePolicy(cost).choose(small, 2, 0, 2.0, 4096).choices == [0, 0]
+    assert AdaptivePolicy(cost, min_gain=0.05).choose(small, 2, 0, 2.0, 4096).choices == [None, None]
+    assert AdaptivePolicy(cost, min_gain=0.05).choose(large, 2, 0, 2.0, 4096).choices == [0, 0]
+    # Exploration is not held to it.
+    assert AdaptivePolicy(cost, explore_every=1, min_gain=0.5).choose(small, 2, 0, 2.0, 4096).choices != [None, None]
+
+
+def test_the_scheduler_passes_the_configured_min_gain_to_the_policy():
+    s = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.0))
+    assert s.policy.min_gain == SchedulerConfig().lookahead_min_gain == 0.05
+    s.config = replace(s.config, lookahead_min_gain=0.2)
+    s.set_lookahead_policy("adaptive")
+    assert s.policy.min_gain == 0.2
+
+
+def test_the_cost_check_learns_from_the_adaptive_policys_steps_only():
+    s = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.1))
+    s.set_lookahead_policy("fixed")
+    s.add_request(_request("a"))
+    _run(s, 1)
+    for _ in range(8):
+        _run(s, 1)
+        d = s.last_decision
+        assert d.predicted_seconds > d.plain_seconds > 0 and not d.adaptive
+        s.observe_step(3 * d.predicted_seconds)
+    assert s.lookahead_cost.weight == 0
 
 
 def test_the_scheduler_feeds_the_cost_check_from_its_lookahead_steps():

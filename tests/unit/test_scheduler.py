@@ -128,9 +128,10 @@ def test_scheduler_needs_max_model_len():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("max_num_batched_tokens", 0), ("max_num_seqs", 0), ("max_model_len", 0), ("max_num_seqs", -3)],
+    [("max_num_batched_tokens", 0), ("max_num_seqs", 0), ("max_model_len", 0), ("max_num_seqs", -3),
+     ("lookahead_min_gain", -0.1), ("lookahead_min_gain", 1.0), ("lookahead_min_gain", "5%")],
 )
-def test_config_rejects_non_positive_limits(field, value):
+def test_config_rejects_bad_limits(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
 
