@@ -154,6 +154,13 @@ class NGramPool:
         return sum(len(v) for v in self._pool.values())
 
 
+def shape_after_resize(num_levels: int, window_size: int, ngram_size: int) -> tuple[int, int]:
+    """(levels, columns) a window of ``num_levels`` levels has after resizing to (window_size, ngram_size):
+    levels above n-1 are dropped, and W + n-1 - levels columns make up the levels still warming up."""
+    levels = min(num_levels, ngram_size - 1)
+    return levels, window_size + (ngram_size - 1) - levels
+
+
 class LookaheadState:
     """The window and pool of one request, advanced once per lookahead step.
 
@@ -187,8 +194,7 @@ class LookaheadState:
 
     def shape_after_resize(self, window_size: int, ngram_size: int) -> tuple[int, int]:
         """(levels, columns) the window would have after ``resize(window_size, ngram_size)``."""
-        num_levels = min(len(self.levels), ngram_size - 1)
-        return num_levels, window_size + (ngram_size - 1) - num_levels
+        return shape_after_resize(len(self.levels), window_size, ngram_size)
 
     def resize(self, window_size: int, ngram_size: int) -> None:
         """Run the window at (window_size, ngram_size) from the next step on.

@@ -24,7 +24,7 @@ from kv_cache import KVCacheManager
 from scheduler.batch import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from scheduler.config import SchedulerConfig
 from scheduler.cost import StepCostModel
-from scheduler.lookahead import LookaheadLayout, LookaheadState
+from scheduler.lookahead import LookaheadLayout, LookaheadState, shape_after_resize
 from scheduler.objective import EarlyStops, makespan_values
 from scheduler.params import LookaheadParams
 from scheduler.policy import (
@@ -41,8 +41,40 @@ from scheduler.request import Request, RequestStatus
 
 
 @functools.lru_cache(maxsize=1024)
-def _verify_rung(ngram_size: int, num_candidates: int) -> LookaheadParams:
-    return LookaheadParams(0, ngram_size, num_candidates)
+@functools.lru_cache(maxsize=1024)
+def _ngram_sizes(maximum: LookaheadParams) -> tuple[int, ...]:
+    """The n-gram sizes of the rungs of ``maximum``'s ladder, in ladder order."""
+    return tuple(dict.fromkeys(p.ngram_size for p in ladder(maximum)))
+
+
+@functools.lru_cache(maxsize=8192)
+def _rungs(maximum: LookaheadParams, found: tuple[int, ...], num_levels: int
+           ) -> tuple[tuple[LookaheadParams, int, float, int], ...]:
+    """A request's rungs this step, as (params, step tokens, planned gain, positions the segment reaches
+    past the last token), given the candidates its pool holds for each of ``_ngram_sizes(maximum)``
+    (``found``) and the levels its window has: all a rung depends on but the request's acceptance
+    multiplier, so requests in the same state share the table (a step at concurrency 32 asks for 32
+    tables of 26 rungs; most are the same few)."""
+    num_found = dict(zip(_ngram_sizes(maximum), found, strict=True))
+    seen_verify: set[LookaheadParams] = set()
+    rungs = []
+    for p in ladder(maximum):
+        n = p.ngram_size
+        if p.verify_only:
+            if not num_found[n]:
+                continue  # nothing to verify: the step would be a plain decode
+            # Verifying g candidates where the pool has fewer is verifying those it has: one option each.
+            p = LookaheadParams(0, n, min(p.verification_set_size, num_found[n]))
+            if p in seen_verify:
+                continue
+            seen_verify.add(p)
+            reach, num_window = n - 1, 1
+        else:
+            levels, cols = shape_after_resize(num_levels, p.window_size, n)
+            reach, num_window = max(levels + cols - 2, n - 1), levels * cols
+        num_tokens = num_window + min(p.verification_set_size, num_found[n]) * (n - 1)
+        rungs.append((p, num_tokens, planned_gain(p, num_found[n]), reach))
+    return tuple(rungs)
 
 
 class Scheduler:
@@ -256,11 +288,8 @@ class Scheduler:
             num_yield += seg.sample * value
             req = self.requests[seg.req_id]
             if len(seg.token_ids) == 1 and seg.sample and req.lookahead is not None:
-                opts = self._options(req)
+                opts = self._options(req, value)
                 if opts:
-                    if value != 1.0:
-                        opts = [replace(o, expected_extra=o.expected_extra * value,
-                                        optimistic_extra=o.optimistic_extra * value) for o in opts]
                     cands.append((k, req, opts))
         self.last_lookahead = []
         if not cands:
@@ -321,39 +350,19 @@ class Scheduler:
             share = 1.0
         return makespan_values(left, share, self.early_stops.share)
 
-    def _options(self, req: Request) -> list[Option]:
-        """The rungs of the request's ladder it can run this step, with their tokens and expected gain."""
+    def _options(self, req: Request, value: float = 1.0) -> list[Option]:
+        """The rungs of the request's ladder it can run this step, with their tokens and expected gain
+        (times ``value``, what an output token of the request is worth this step)."""
         state = req.lookahead
-        assert state is not None and req.max_lookahead is not None
+        top = req.max_lookahead
+        assert state is not None and top is not None
         x = req.all_token_ids[-1]
-        acceptance = self._acceptance[req.request_id]
-        num_found: dict[int, int] = {}
-        seen_verify: set[LookaheadParams] = set()
-        opts = []
-        expected, optimistic = acceptance.multipliers()
-        for p in ladder(req.max_lookahead):
-            n = p.ngram_size
-            if n not in num_found:
-                num_found[n] = len(state.pool.lookup(x, req.max_lookahead.verification_set_size, n - 1))
-            if p.verify_only:
-                if not num_found[n]:
-                    continue  # nothing to verify: the step would be a plain decode
-                # Verifying g candidates where the pool has fewer is verifying those it has: one option each.
-                p = _verify_rung(n, min(p.verification_set_size, num_found[n]))
-                if p in seen_verify:
-                    continue
-                seen_verify.add(p)
-                reach, num_window = n - 1, 1
-            else:
-                levels, cols = state.shape_after_resize(p.window_size, n)
-                reach, num_window = max(levels + cols - 2, n - 1), levels * cols
-            if req.num_computed_tokens + reach >= self.config.max_model_len:
-                continue  # the segment would reach past the model's positions
-            num_tokens = num_window + min(p.verification_set_size, num_found[n]) * (n - 1)
-            found = num_found[n]
-            gain = planned_gain(p, found)
-            opts.append(Option(p, num_tokens, expected * gain, optimistic * gain))
-        return opts
+        found = tuple(len(state.pool.lookup(x, top.verification_set_size, n - 1)) for n in _ngram_sizes(top))
+        expected, optimistic = self._acceptance[req.request_id].multipliers()
+        room = self.config.max_model_len - req.num_computed_tokens
+        return [Option(p, num_tokens, expected * gain * value, optimistic * gain * value)
+                for p, num_tokens, gain, reach in _rungs(top, found, len(state.levels))
+                if reach < room]  # else the segment would reach past the model's positions
 
     def observe_step(self, seconds: float) -> float | None:
         """The last scheduled step took ``seconds`` to run: correct the cost model; return its prediction."""

@@ -6,6 +6,7 @@ decoding, low-acceptance requests lose their share first, and the budget is neve
 
 from __future__ import annotations
 
+import copy
 import random
 from dataclasses import replace
 
@@ -451,6 +452,39 @@ def test_verification_only_where_a_window_costs_more_than_it_buys():
     dear = StepCostModel([1, 512], [1.0, 1.0 + 0.02 * 511], learning_rate=0.0)
     assert AdaptivePolicy(dear).choose(opts, 2, 0, 2, 4096).choices == [0, 0]
     assert AdaptivePolicy(flat_cost()).choose(opts, 2, 0, 2, 4096).choices == [1, 1]
+
+
+def test_every_rung_offered_plans_the_segment_it_claims():
+    """A request's options (a table shared by requests in the same state) take the step tokens their
+    segments really take, verify only what the pool holds, stop short of the model's last position, and
+    scale with what the request's tokens are worth."""
+    s = _adaptive_scheduler(flat_cost())
+    params = SamplingParams(temperature=0, max_tokens=64)
+    prompt = [9, 5, 6, 7, 8, 5, 6, 2, 3, 4, 11, 12]  # 5 is followed by "6 7 8" and "6 2 3"
+    s.add_request(Request("a", prompt, params))
+    s.add_request(Request("b", list(prompt), params))
+    _run(s, 1)  # the prefill samples 5 for both
+    a, b = s.requests["a"], s.requests["b"]
+    opts = s._options(a)
+    assert [(o.params, o.num_tokens) for o in opts] == [(o.params, o.num_tokens) for o in s._options(b)]
+    assert MAX in [o.params for o in opts]
+    verify = [o.params for o in opts if o.params.verify_only]
+    assert verify and len(set(verify)) == len(verify) and all(p.verification_set_size <= 2 for p in verify)
+    for o in opts:
+        state = copy.deepcopy(a.lookahead)
+        if o.params.verify_only:
+            layout, tokens = state.plan_verify(5, o.params.ngram_size, o.params.verification_set_size)
+        else:
+            state.resize(o.params.window_size, o.params.ngram_size)
+            layout, tokens = state.plan(5, o.params.verification_set_size)
+        assert layout.num_tokens == len(tokens) == o.num_tokens, o.params
+    half = s._options(a, 0.5)
+    assert [o.expected_extra for o in half] == [o.expected_extra * 0.5 for o in opts]
+    assert [o.optimistic_extra for o in half] == [o.optimistic_extra * 0.5 for o in opts]
+    a.num_computed_tokens = s.config.max_model_len - 8  # as if near the end: only short segments fit
+    near = s._options(a)
+    assert near and MAX not in [o.params for o in near]
+    assert {o.params for o in near} < {o.params for o in opts}
 
 
 def test_a_verification_only_request_runs_the_pool_and_nothing_else():
