@@ -221,11 +221,12 @@ class Decision:
 
 class AdaptivePolicy:
     """Greedy upgrades from two starts: every request plain, and every request at the same rung of its
-    ladder (the rung with the best expected rate, when that beats all-plain). The uniform starts matter because a step's cost is not additive: a step
-    of lookahead segments alone skips the plain-decode path altogether (``StepCostModel.decode_overhead``),
-    so upgrading the last plain request can pay where upgrading the first does not, and greedy moves from
-    all-plain never see that. The decision is whichever of the two ends with the higher expected tokens
-    per second.
+    ladder (the rung with the best expected rate; this second run is made only when that start alone
+    already beats the first run's result, which bounds the work per step). The uniform starts matter
+    because a step's cost is not additive: a step of lookahead segments alone skips the plain-decode path
+    altogether (``StepCostModel.decode_overhead``), so upgrading the last plain request can pay where
+    upgrading the first does not, and greedy moves from all-plain never see that. The decision is
+    whichever of the two ends with the higher expected tokens per second.
 
     explore_every: every so many steps that have candidates, one request -- the one with the best
     optimistic gain per token -- runs its cheapest rung even if the models say it does not pay, so that the
@@ -240,7 +241,7 @@ class AdaptivePolicy:
     min_gain: outside exploration, a step runs lookahead only if its expected rate beats the all-plain
     step's by this share. The step-time model's error is about 5% a step, and the policy picks the steps
     the model flatters: on the default model (bf16, 2-core CPU) lookahead steps it predicted to beat plain
-    by under 5% ran at 1.00x plain at concurrency 1 and 0.83-0.90x at concurrency 4, while those
+    by under 5% ran at 1.00x plain at concurrency 1 and 0.87x at concurrency 4, while those
     predicted at 1.2-1.5x ran at 1.39x (benchmarks/RESULTS.md)."""
 
     MAX_EXPLORE_BACKOFF = 16
@@ -301,7 +302,8 @@ class AdaptivePolicy:
                 best_uniform = uniform
         best = self._upgrade(start, options, base_tokens, budget, cost)
         if best_uniform is not None and _rate(best_uniform) > _rate(start):
-            # Greedy upgrades from the best uniform start too (two greedy runs bound the work per step).
+            # ``start`` is now the first run's result: greedy upgrades from the best uniform start too, when
+            # that start alone beats it (at most two greedy runs a step).
             other = self._upgrade(best_uniform, options, base_tokens, budget, cost)
             if _rate(other) > _rate(best) * (1 + 1e-9):
                 best = other
