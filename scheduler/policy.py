@@ -312,6 +312,12 @@ class AdaptivePolicy:
         best.adaptive = True
         return best
 
+    def continue_exploration(self, previous: AdaptivePolicy) -> None:
+        """Take over where ``previous`` stands in its exploration (interval backed off, steps since the
+        last explored one), if it explored at the same base interval."""
+        if previous.explore_every == self.explore_every:
+            self.explore_interval, self._since_explore = previous.explore_interval, previous._since_explore
+
     def exploration_paid(self, paid: bool) -> None:
         """How an explored step turned out: more tokens per second than the step decoded plainly, or not."""
         cap = self.explore_every * self.MAX_EXPLORE_BACKOFF

@@ -106,14 +106,21 @@ class Scheduler:
         self.num_preemptions = 0
 
     def set_lookahead_policy(self, name: str) -> None:
-        """Switch between the "fixed" and "adaptive" lookahead policies from the next step on (the
-        acceptance and step-cost models carry over)."""
+        """Switch between the "fixed" and "adaptive" lookahead policies from the next step on. The acceptance
+        and step-cost models carry over, and so does the adaptive policy's exploration (how far it has backed
+        off), as it would in a server that never switched; the config's explore interval and minimum gain
+        are read again."""
         if name == "adaptive" and self.cost_model is None:
             raise ValueError("the adaptive lookahead policy needs a step-cost model")
         self.config = replace(self.config, lookahead_policy=name)  # validates the name
-        self.policy = (AdaptivePolicy(self.cost_model, self.config.lookahead_explore_every,
-                                      self.config.lookahead_min_gain)
-                       if name == "adaptive" else FixedPolicy())
+        if name != "adaptive":
+            self.policy = FixedPolicy()
+            return
+        previous = getattr(self, "_adaptive", None)
+        policy = AdaptivePolicy(self.cost_model, self.config.lookahead_explore_every, self.config.lookahead_min_gain)
+        if previous is not None:
+            policy.continue_exploration(previous)
+        self.policy = self._adaptive = policy
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

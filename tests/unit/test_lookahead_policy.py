@@ -516,6 +516,20 @@ def test_switching_policy_between_steps_takes_effect_on_the_next_step():
         plain.set_lookahead_policy("adaptive")
 
 
+
+def test_exploration_backed_off_carries_over_a_policy_switch():
+    cfg = replace(_adaptive_scheduler(linear_cost()).config, lookahead_explore_every=4)
+    s = Scheduler(cfg, KVCacheManager(256, 4), linear_cost())
+    for _ in range(3):
+        s.policy.exploration_paid(False)
+    s.set_lookahead_policy("fixed")
+    s.set_lookahead_policy("adaptive")
+    assert s.policy.explore_interval == 32  # not back to 4, as a server that never switched
+    s.policy.exploration_paid(True)
+    s.config = replace(s.config, lookahead_explore_every=8)  # a new base interval starts afresh
+    s.set_lookahead_policy("adaptive")
+    assert s.policy.explore_every == s.policy.explore_interval == 8
+
 def test_prefill_keeps_its_place_in_the_budget():
     s = _adaptive_scheduler(flat_cost(), budget=64)
     s.add_request(_request("a"))
