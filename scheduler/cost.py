@@ -96,7 +96,21 @@ class StepCostModel:
         return max(sum(self._theta[i] * w for i, w in self._features(num_tokens, 0, 0)), 0.0)
 
     def predict(self, num_tokens: int, num_segments: int = 0, num_decodes: int = 0) -> float:
-        return max(sum(self._theta[i] * w for i, w in self._features(num_tokens, num_segments, num_decodes)), 0.0)
+        # theta . features, summed in their order without building them: the policy asks for about a
+        # thousand step shapes a step at concurrency 32.
+        k, theta, m = self.knots, self._theta, len(self.knots)
+        if m == 1:
+            seconds = theta[0] * (num_tokens / k[0])
+        else:
+            i = min(max(bisect.bisect_right(k, num_tokens) - 1, 0), m - 2)
+            w = (k[i + 1] - num_tokens) / (k[i + 1] - k[i])
+            seconds = theta[i] * w + theta[i + 1] * (1.0 - w)
+        if num_segments:
+            seconds += theta[m] * float(num_segments)
+        if num_decodes:
+            seconds += theta[m + 1] * float(num_decodes)
+            seconds += theta[m + 2] * 1.0
+        return max(seconds, 0.0)
 
     def observe(self, num_tokens: int, num_segments: int, seconds: float, num_decodes: int = 0) -> float:
         """Correct the model toward one measured step; return the prediction it had made."""

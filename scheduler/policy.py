@@ -187,7 +187,7 @@ def planned_gain(params: LookaheadParams, num_found: int | None) -> float:
     return _gain_now(params, num_found) + (0.0 if params.verify_only else later)
 
 
-@dataclass
+@dataclass(slots=True)
 class Option:
     """One rung a request could run this step: its parameters, step tokens, expected extra tokens (what
     the policy plans with) and an optimistic figure for them (an upper confidence bound: what exploration
@@ -203,7 +203,7 @@ class Option:
             self.optimistic_extra = self.expected_extra
 
 
-@dataclass
+@dataclass(slots=True)
 class Decision:
     """What the policy chose for one step: per candidate the index of its option, or None for plain."""
 
@@ -288,18 +288,7 @@ class AdaptivePolicy:
             return decision
         start.predicted_seconds = cost.predict(start.num_tokens, start.num_segments, start.num_decodes)
         plain = Decision(list(start.choices), base_tokens, base_segments, base_yield, start.predicted_seconds, decodes)
-        best_uniform = None
-        for j in range(max((len(o) for o in options), default=0)):
-            uniform = Decision(list(start.choices), start.num_tokens, start.num_segments, start.expected_tokens,
-                               0.0, start.num_decodes)
-            for r, opts in enumerate(options):
-                if opts:
-                    _set_rung(uniform, options, r, min(j, len(opts) - 1))
-            if uniform.num_tokens - base_tokens > budget:
-                continue  # a later rung may be smaller: a verification-only rung's tokens follow the candidates found
-            uniform.predicted_seconds = cost.predict(uniform.num_tokens, uniform.num_segments, uniform.num_decodes)
-            if best_uniform is None or _rate(uniform) > _rate(best_uniform):
-                best_uniform = uniform
+        best_uniform = self._best_uniform(start, options, base_tokens, budget, cost)
         best = self._upgrade(start, options, base_tokens, budget, cost)
         if best_uniform is not None and _rate(best_uniform) > _rate(start):
             # ``start`` is now the first run's result: greedy upgrades from the best uniform start too, when
@@ -323,28 +312,67 @@ class AdaptivePolicy:
         cap = self.explore_every * self.MAX_EXPLORE_BACKOFF
         self.explore_interval = self.explore_every if paid else min(self.explore_interval * 2, cap)
 
+    @staticmethod
+    def _best_uniform(start: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int,
+                      cost: _Memo) -> Decision | None:
+        """The best of the steps with every request at the same rung j of its ladder (its last if it has
+        fewer), from ``start`` (every request plain), within the budget; None if none fits. The sums run
+        in request order, as ``_set_rung`` would add them, so the figures are the same to the bit."""
+        sizes = [len(opts) for opts in options]
+        num_segments = start.num_segments + sum(n > 0 for n in sizes)
+        num_decodes = start.num_decodes - sum(n > 0 for n in sizes)
+        best: tuple[int, int, float, float] | None = None  # (j, tokens, expected tokens, seconds)
+        best_rate = 0.0
+        for j in range(max(sizes, default=0)):
+            num_tokens, expected = start.num_tokens, start.expected_tokens
+            for opts, n in zip(options, sizes):
+                if n:
+                    o = opts[j if j < n else n - 1]
+                    num_tokens += o.num_tokens - 1
+                    expected += o.expected_extra - 0.0
+            if num_tokens - base_tokens > budget:
+                continue  # a later rung may be smaller: a verification-only rung's tokens follow the candidates found
+            seconds = cost.predict(num_tokens, num_segments, num_decodes)
+            rate = expected / seconds if seconds > 0 else math.inf
+            if best is None or rate > best_rate:
+                best, best_rate = (j, num_tokens, expected, seconds), rate
+        if best is None:
+            return None
+        j, num_tokens, expected, seconds = best
+        choices = [None if not n else (j if j < n else n - 1) for n in sizes]
+        return Decision(choices, num_tokens, num_segments, expected, seconds, num_decodes)
+
     def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int,
                  cost: _Memo) -> Decision:
         """Greedy: take the single upgrade that most raises the step's expected rate, while one does."""
         choices = d.choices
+        seen, predict = cost.seen, cost.predict
         while True:
             best = None
             best_rate = _rate(d)
+            bar = best_rate * (1 + 1e-9)
+            room = budget + base_tokens - d.num_tokens  # tokens an upgrade may add
+            num_tokens, expected = d.num_tokens, d.expected_tokens
             for r, opts in enumerate(options):
                 cur = choices[r]
-                cur_tokens = opts[cur].num_tokens if cur is not None else 1
-                cur_extra = opts[cur].expected_extra if cur is not None else 0.0
-                new_segments = d.num_segments + (cur is None)
-                new_decodes = d.num_decodes - (cur is None)
-                for j in range(0 if cur is None else cur + 1, len(opts)):
+                if cur is None:
+                    cur_tokens, cur_extra, first = 1, 0.0, 0
+                    new_segments, new_decodes = d.num_segments + 1, d.num_decodes - 1
+                else:
+                    cur_tokens, cur_extra, first = opts[cur].num_tokens, opts[cur].expected_extra, cur + 1
+                    new_segments, new_decodes = d.num_segments, d.num_decodes
+                for j in range(first, len(opts)):
                     o = opts[j]
                     d_tokens = o.num_tokens - cur_tokens
-                    if d.num_tokens + d_tokens - base_tokens > budget or o.expected_extra <= cur_extra:
+                    if d_tokens > room or o.expected_extra <= cur_extra:
                         continue
-                    s = cost.predict(d.num_tokens + d_tokens, new_segments, new_decodes)
-                    rate = (d.expected_tokens + o.expected_extra - cur_extra) / s if s > 0 else math.inf
-                    if rate > best_rate * (1 + 1e-9):
-                        best, best_rate = (r, j, s), rate
+                    shape = (num_tokens + d_tokens, new_segments, new_decodes)
+                    s = seen.get(shape)
+                    if s is None:
+                        s = predict(*shape)
+                    rate = (expected + o.expected_extra - cur_extra) / s if s > 0 else math.inf
+                    if rate > bar:
+                        best, best_rate, bar = (r, j, s), rate, rate * (1 + 1e-9)
             if best is None:
                 return d
             r, j, seconds = best
@@ -359,18 +387,18 @@ class _Memo:
 
     def __init__(self, cost: StepCostModel, plain: tuple[int, int, int] | None = None, extra_scale: float = 1.0) -> None:
         self._cost = cost
-        self._seen: dict[tuple[int, int, int], float] = {}
+        self.seen: dict[tuple[int, int, int], float] = {}  # read directly by the greedy upgrades
         self._plain = cost.predict(*plain) if plain is not None and extra_scale != 1.0 else None
         self._scale = extra_scale
 
     def predict(self, num_tokens: int, num_segments: int, num_decodes: int) -> float:
         key = (num_tokens, num_segments, num_decodes)
-        seconds = self._seen.get(key)
+        seconds = self.seen.get(key)
         if seconds is None:
             seconds = self._cost.predict(num_tokens, num_segments, num_decodes)
             if self._plain is not None and seconds > self._plain:
                 seconds = self._plain + self._scale * (seconds - self._plain)
-            self._seen[key] = seconds
+            self.seen[key] = seconds
         return seconds
 
 

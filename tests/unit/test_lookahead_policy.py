@@ -58,6 +58,17 @@ def test_cost_model_interpolates_and_extrapolates():
     assert m.predict(16, num_segments=3) == pytest.approx(0.015)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.0, 0.1), min_size=1, max_size=5), st.tuples(*[st.floats(0.0, 0.01)] * 3),
+       st.integers(1, 5000), st.integers(0, 40), st.integers(0, 40))
+def test_cost_model_predicts_its_features_times_its_parameters(seconds, per, tokens, segments, decodes):
+    # ``predict`` sums the features without building them; the live fit updates along the features.
+    knots = [1, 16, 64, 512, 4096][: len(seconds)]
+    m = StepCostModel(knots, seconds, per_segment=per[0], per_decode=per[1], decode_overhead=per[2])
+    by_features = max(sum(m._theta[i] * w for i, w in m._features(tokens, segments, decodes)), 0.0)
+    assert m.predict(tokens, segments, decodes) == pytest.approx(by_features, rel=1e-12, abs=1e-15)
+
+
 def test_cost_model_follows_observed_steps_and_reports_its_error():
     m = StepCostModel([1, 64], [0.010, 0.050], per_decode=0.001, learning_rate=0.2)
     for _ in range(60):
