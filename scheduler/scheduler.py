@@ -41,7 +41,6 @@ from scheduler.request import Request, RequestStatus
 
 
 @functools.lru_cache(maxsize=1024)
-@functools.lru_cache(maxsize=1024)
 def _ngram_sizes(maximum: LookaheadParams) -> tuple[int, ...]:
     """The n-gram sizes of the rungs of ``maximum``'s ladder, in ladder order."""
     return tuple(dict.fromkeys(p.ngram_size for p in ladder(maximum)))
