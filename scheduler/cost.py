@@ -76,14 +76,20 @@ class StepCostModel:
         self.seconds = self._theta[:m]
         self.per_segment, self.per_decode, self.decode_overhead = self._theta[m:]
 
+    def _between_knots(self, num_tokens: int) -> tuple[int, float]:
+        """f(T) = theta[i] * w + theta[i + 1] * (1 - w) (two knots or more): (i, w). Beyond the end knots,
+        the nearest two extrapolate."""
+        k = self.knots
+        i = min(max(bisect.bisect_right(k, num_tokens) - 1, 0), len(k) - 2)
+        return i, (k[i + 1] - num_tokens) / (k[i + 1] - k[i])
+
     def _features(self, num_tokens: int, num_segments: int, num_decodes: int) -> list[tuple[int, float]]:
         """Nonzero features of a step: (parameter index, weight)."""
-        k, m = self.knots, len(self.knots)
+        m = len(self.knots)
         if m == 1:
-            feats = [(0, num_tokens / k[0])]
+            feats = [(0, num_tokens / self.knots[0])]
         else:
-            i = min(max(bisect.bisect_right(k, num_tokens) - 1, 0), m - 2)
-            w = (k[i + 1] - num_tokens) / (k[i + 1] - k[i])  # beyond the end knots: extrapolates
+            i, w = self._between_knots(num_tokens)
             feats = [(i, w), (i + 1, 1.0 - w)]
         if num_segments:
             feats.append((m, float(num_segments)))
@@ -98,18 +104,17 @@ class StepCostModel:
     def predict(self, num_tokens: int, num_segments: int = 0, num_decodes: int = 0) -> float:
         # theta . features, summed in their order without building them: the policy asks for about a
         # thousand step shapes a step at concurrency 32.
-        k, theta, m = self.knots, self._theta, len(self.knots)
+        theta, m = self._theta, len(self.knots)
         if m == 1:
-            seconds = theta[0] * (num_tokens / k[0])
+            seconds = theta[0] * (num_tokens / self.knots[0])
         else:
-            i = min(max(bisect.bisect_right(k, num_tokens) - 1, 0), m - 2)
-            w = (k[i + 1] - num_tokens) / (k[i + 1] - k[i])
+            i, w = self._between_knots(num_tokens)
             seconds = theta[i] * w + theta[i + 1] * (1.0 - w)
         if num_segments:
-            seconds += theta[m] * float(num_segments)
+            seconds += theta[m] * num_segments
         if num_decodes:
-            seconds += theta[m + 1] * float(num_decodes)
-            seconds += theta[m + 2] * 1.0
+            seconds += theta[m + 1] * num_decodes
+            seconds += theta[m + 2]
         return max(seconds, 0.0)
 
     def observe(self, num_tokens: int, num_segments: int, seconds: float, num_decodes: int = 0) -> float:

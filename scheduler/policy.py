@@ -327,9 +327,9 @@ class AdaptivePolicy:
             num_tokens, expected = start.num_tokens, start.expected_tokens
             for opts, n in zip(options, sizes):
                 if n:
-                    o = opts[j if j < n else n - 1]
+                    o = opts[min(j, n - 1)]
                     num_tokens += o.num_tokens - 1
-                    expected += o.expected_extra - 0.0
+                    expected += o.expected_extra
             if num_tokens - base_tokens > budget:
                 continue  # a later rung may be smaller: a verification-only rung's tokens follow the candidates found
             seconds = cost.predict(num_tokens, num_segments, num_decodes)
@@ -339,7 +339,7 @@ class AdaptivePolicy:
         if best is None:
             return None
         j, num_tokens, expected, seconds = best
-        choices = [None if not n else (j if j < n else n - 1) for n in sizes]
+        choices = [min(j, n - 1) if n else None for n in sizes]
         return Decision(choices, num_tokens, num_segments, expected, seconds, num_decodes)
 
     def _upgrade(self, d: Decision, options: Sequence[Sequence[Option]], base_tokens: int, budget: int,
@@ -349,8 +349,7 @@ class AdaptivePolicy:
         seen, predict = cost.seen, cost.predict
         while True:
             best = None
-            best_rate = _rate(d)
-            bar = best_rate * (1 + 1e-9)
+            bar = _rate(d) * (1 + 1e-9)  # an upgrade must beat the step's rate so far
             room = budget + base_tokens - d.num_tokens  # tokens an upgrade may add
             num_tokens, expected = d.num_tokens, d.expected_tokens
             for r, opts in enumerate(options):
@@ -372,7 +371,7 @@ class AdaptivePolicy:
                         s = predict(*shape)
                     rate = (expected + o.expected_extra - cur_extra) / s if s > 0 else math.inf
                     if rate > bar:
-                        best, best_rate, bar = (r, j, s), rate, rate * (1 + 1e-9)
+                        best, bar = (r, j, s), rate * (1 + 1e-9)
             if best is None:
                 return d
             r, j, seconds = best
