@@ -70,6 +70,33 @@ class Row:
         return sum(t / s for t, s in zip(self.tokens, self.steps)) / len(self.tokens)
 
 
+class Acc:
+    """One mode's totals in a cell of the concurrency study, and its tokens and seconds round by round."""
+
+    def __init__(self, units: int) -> None:
+        self.first: list[list | None] = [None] * units  # outputs of the first round, unit by unit
+        self.stable = True  # same outputs every round
+        self.tokens = self.steps = 0
+        self.seconds = self.abs_err = self.step_seconds = 0.0
+        self.rounds: dict[int, list[float]] = {}  # round -> [tokens, seconds]
+
+    @property
+    def outputs(self) -> list:
+        return [o for unit in self.first for o in unit]
+
+    def add(self, rnd: int, tokens: int, steps: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.steps += steps
+        self.seconds += seconds
+        r = self.rounds.setdefault(rnd, [0, 0.0])
+        r[0] += tokens
+        r[1] += seconds
+
+    def paired_ratios(self, other: "Acc") -> list[float]:
+        """This mode's tokens/s over the other's in each round both ran."""
+        return [(t / s) / (other.rounds[r][0] / other.rounds[r][1]) for r, (t, s) in self.rounds.items() if r in other.rounds]
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -161,17 +188,22 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     lines = [
         f"\n\nConcurrency study: {args.dtype}, greedy, {args.max_tokens} new tokens, the first max({args.min_prompts}, c) prompts "
         f"of each set at concurrency c (max_num_seqs = c), token budget {budget} per step. Each (set, c) runs every mode "
-        f"{args.rounds} times, in order then in reverse order and so on, so that the machine's drift falls on every mode "
-        f"alike; tokens, steps and wall seconds are totals over the rounds, and 'vs best other' gives in brackets the "
-        f"lowest and highest ratio in single rounds (the machine's noise). Fixed configs whose c x step tokens "
+        f"for {min(args.screen_rounds, args.rounds)} rounds; then the modes more than {args.screen_margin:.0%} slower than the best "
+        f"stop and the rest (adaptive always) run to {args.rounds} rounds. "
+        + ("A round runs every mode on each batch of c prompts in turn, " if args.interleave == "batch" else
+           "A round runs every mode on the cell's prompts in turn, ")
+        + "the order alternating and rotating from one batch to the next, so that the machine's drift falls on every "
+        f"mode alike. Tokens, steps and wall seconds are totals over a mode's rounds; 'vs best other' gives in brackets "
+        f"the lowest and highest ratio in single rounds (the machine's noise), and 'round ratio' the mean of those "
+        f"single-round ratios ± twice its standard error. Fixed configs whose c x step tokens "
         f"exceed {args.max_fixed_step_tokens} are not run (marked skipped). All modes run on one engine, which switches policy between them. Step-cost profile at start-up "
         f"(tokens: ms): {profile}; {cost.per_segment * 1e3:.2f} ms per looped segment, "
         f"{cost.per_decode * 1e3:.2f} ms per plain decode, {cost.decode_overhead * 1e3:.2f} ms for a step having plain "
         "decodes. 'vs best other' compares each mode with the best mode of the other policy (adaptive against off "
         "and the fixed configs; those against every other mode).\n",
-        "| prompts | c | mode | requests | tokens | steps | tokens/step | wall s | tok/s | vs off | vs best other | "
-        "step-time model error | identical to off | mean matching prefix |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompts | c | mode | requests | rounds | tokens | steps | tokens/step | wall s | tok/s | vs off | vs best other | "
+        "round ratio | step-time model error | identical to off | mean matching prefix |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, all_prompts in sets.items():
         for c in args.concurrency:
@@ -179,56 +211,72 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
             runnable = [(label, policy, config, objective) for label, policy, config, objective in modes
                         if config.is_plain or policy == "adaptive" or c * step_tokens(
                             config.window_size, config.ngram_size, config.verification_set_size) <= args.max_fixed_step_tokens]
-            # Per mode: outputs of the first round, wall seconds, tokens, steps, model |error| and step seconds.
-            acc = {label: [None, 0.0, 0, 0, 0.0, 0.0, True, []] for label, *_ in runnable}
+            # A unit is what one generate call runs: c prompts (--interleave batch) or the cell's prompts (set).
+            step = c if args.interleave == "batch" else len(prompts)
+            units = [prompts[i: i + step] for i in range(0, len(prompts), step)]
+            run(llm, prompts, OFF, 1, False)  # untimed: every timed run finds the prompts in the prefix cache
+            acc = {label: Acc(len(units)) for label, *_ in runnable}
+            active = runnable
             for rnd in range(args.rounds):
-                for label, policy, config, objective in (runnable if rnd % 2 == 0 else runnable[::-1]):
-                    eng = llm.engine
-                    eng.scheduler.set_lookahead_policy(policy)
-                    eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c,
-                                                   lookahead_objective=objective or "throughput")
-                    before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
-                    chosen_before = Counter(eng.lookahead_chosen)
-                    log(f"{name} c={c} {label} on {len(prompts)} prompts, round {rnd + 1}/{args.rounds} ...")
-                    outs, seconds = run(llm, prompts, config, args.max_tokens, False)
-                    a = acc[label]
-                    ids = [o.outputs[0].token_ids for o in outs]
-                    if a[0] is None:
-                        a[0] = outs
-                    else:
-                        a[6] &= ids == [o.outputs[0].token_ids for o in a[0]]  # same outputs every round
-                    toks = sum(o.metrics.num_output_tokens for o in outs)
-                    a[1] += seconds
-                    a[2] += toks
-                    a[7].append(toks / seconds)
-                    a[3] += sum(o.metrics.num_steps for o in outs)
-                    if policy == "adaptive":
-                        adaptive_chosen.setdefault(label, Counter()).update(eng.lookahead_chosen - chosen_before)
-                    a[4] += eng.step_abs_error_seconds_total - before[0]
-                    a[5] += eng.step_seconds_total - before[1]
-                    log(f"  {a[2] / a[3]:.3f} tokens/step, {a[2] / a[1]:.1f} tok/s so far")
+                if rnd == args.screen_rounds and args.screen_rounds < args.rounds:
+                    best = max(a.tokens / a.seconds for a in acc.values())
+                    active = [m for m in runnable if m[1] == "adaptive"
+                              or acc[m[0]].tokens / acc[m[0]].seconds >= (1 - args.screen_margin) * best]
+                    dropped = [m[0] for m in runnable if m not in active]
+                    log(f"{name} c={c}: after {rnd} rounds, {', '.join(dropped) or 'no mode'} more than "
+                        f"{args.screen_margin:.0%} slower than the best; the rest run {args.rounds} rounds")
+                log(f"{name} c={c}, round {rnd + 1}/{args.rounds}: {len(active)} modes x {len(units)} units ...")
+                for j, unit in enumerate(units):
+                    # Alternate the order and rotate it, unit by unit, so that every mode runs in every place.
+                    k = rnd * len(units) + j
+                    order = active if k % 2 == 0 else active[::-1]
+                    shift = (k // 2) % len(order)
+                    for label, policy, config, objective in order[shift:] + order[:shift]:
+                        eng = llm.engine
+                        eng.scheduler.set_lookahead_policy(policy)
+                        eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c,
+                                                       lookahead_objective=objective or "throughput")
+                        before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
+                        chosen_before = Counter(eng.lookahead_chosen)
+                        outs, seconds = run(llm, unit, config, args.max_tokens, False)
+                        a = acc[label]
+                        ids = [o.outputs[0].token_ids for o in outs]
+                        if a.first[j] is None:
+                            a.first[j] = outs
+                        else:
+                            a.stable &= ids == [o.outputs[0].token_ids for o in a.first[j]]  # same every round
+                        toks = sum(o.metrics.num_output_tokens for o in outs)
+                        a.add(rnd, toks, sum(o.metrics.num_steps for o in outs), seconds)
+                        if policy == "adaptive":
+                            adaptive_chosen.setdefault(label, Counter()).update(eng.lookahead_chosen - chosen_before)
+                        a.abs_err += eng.step_abs_error_seconds_total - before[0]
+                        a.step_seconds += eng.step_seconds_total - before[1]
+                log("  " + ", ".join(f"{lab}: {acc[lab].tokens / acc[lab].steps:.3f} tokens/step, "
+                                     f"{acc[lab].tokens / acc[lab].seconds:.1f} tok/s" for lab, *_ in active))
             first_row = len(lines)
-            off_ids = [o.outputs[0].token_ids for o in acc["off"][0]]
-            rates = {lab: a[2] / a[1] for lab, a in acc.items()}
+            off_ids = [o.outputs[0].token_ids for o in acc["off"].outputs]
+            rates = {lab: a.tokens / a.seconds for lab, a in acc.items()}
             policy_of = {lab: policy for lab, policy, *_ in modes}
             for lab, _, config, _ in modes:
                 if lab not in acc:
-                    lines.append(f"| {name} | {c} | {lab} | {len(prompts)} | skipped | | | | | | | | | |")
+                    lines.append(f"| {name} | {c} | {lab} | {len(prompts)} | | skipped | | | | | | | | | | |")
                     continue
-                outs, seconds, toks, steps, d_err, d_sec, stable, per_round = acc[lab]
-                err = d_err / d_sec if d_sec else None
-                ids = [o.outputs[0].token_ids for o in outs]
+                a = acc[lab]
+                err = a.abs_err / a.step_seconds if a.step_seconds else None
+                ids = [o.outputs[0].token_ids for o in a.outputs]
                 others = [k for k in rates if k != lab and (policy_of[lab] != "adaptive" or policy_of[k] != "adaptive")]
                 best_label = max(others, key=rates.__getitem__)
                 best_other = rates[best_label]
-                spread = [r / b for r, b in zip(per_round, acc[best_label][7])]
-                same = sum(a == b for a, b in zip(ids, off_ids))
-                match = sum(_prefix_match(a, b) for a, b in zip(ids, off_ids)) / len(ids)
+                paired = a.paired_ratios(acc[best_label])
+                mean = sum(paired) / len(paired)
+                se = (sum((r - mean) ** 2 for r in paired) / (len(paired) - 1) / len(paired)) ** 0.5 if len(paired) > 1 else 0.0
+                same = sum(x == y for x, y in zip(ids, off_ids))
+                match = sum(_prefix_match(x, y) for x, y in zip(ids, off_ids)) / len(ids)
                 lines.append(
-                    f"| {name} | {c} | {lab} | {len(prompts)} | {toks} | {steps} | {toks / steps:.3f} | {seconds:.1f} | "
-                    f"{rates[lab]:.1f} | {rates[lab] / rates['off']:.2f}x | {rates[lab] / best_other:.2f}x "
-                    f"({min(spread):.2f}-{max(spread):.2f}) | "
-                    f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if stable else ' (varied by round)'} | "
+                    f"| {name} | {c} | {lab} | {len(prompts)} | {len(a.rounds)} | {a.tokens} | {a.steps} | "
+                    f"{a.tokens / a.steps:.3f} | {a.seconds:.1f} | {rates[lab]:.1f} | {rates[lab] / rates['off']:.2f}x | "
+                    f"{rates[lab] / best_other:.2f}x ({min(paired):.2f}-{max(paired):.2f}) | {mean:.2f} ± {2 * se:.2f} | "
+                    f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if a.stable else ' (varied by round)'} | "
                     f"{match * 100:.1f}% |"
                 )
             log("cell done:\n" + "\n".join(lines[first_row:]))  # a run cut short keeps the cells it finished
@@ -320,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="also run batch mode on the first 10 prompts once per request seed (the window's random "
                          "start) and report the spread of the compression ratio, e.g. 0,1,2,3,4")
     ap.add_argument("--concurrency", type=lambda t: [int(v) for v in t.split(",")], default=[],
-                    help="run the scheduling study at these concurrencies, e.g. 1,4,16,32: adaptive vs off vs --fixed")
+                    help="run the scheduling study at these concurrencies, e.g. 1,4,16,32: adaptive vs off vs --fixed "
+                         "(see --rounds, --screen-rounds, --interleave)")
     ap.add_argument("--fixed", type=parse_configs, default=parse_configs("15,5,15;4,3,4"),
                     help="fixed configs of the concurrency study (default: 15,5,15;4,3,4)")
     ap.add_argument("--adaptive-max", type=lambda t: parse_configs(t)[0], default=LookaheadParams(15, 5, 15),
@@ -329,7 +378,15 @@ def main(argv: list[str] | None = None) -> None:
                     help="adaptive modes of the study, one per lookahead objective: makespan and/or throughput "
                          "(default: makespan, what LLM.generate uses)")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="runs of every mode per (set, concurrency) in the study, alternating order (default: %(default)s)")
+                    help="rounds per (set, concurrency) in the study for adaptive and the modes that pass the screen "
+                         "(default: %(default)s)")
+    ap.add_argument("--screen-rounds", type=int, default=3,
+                    help="rounds every mode runs before those more than --screen-margin slower than the best stop "
+                         "(default: %(default)s)")
+    ap.add_argument("--screen-margin", type=float, default=0.2, help="see --screen-rounds (default: %(default)s)")
+    ap.add_argument("--interleave", choices=["batch", "set"], default="batch",
+                    help="what each mode runs in turn within a round: each batch of c prompts, or the cell's whole "
+                         "prompt set as one queue (default: %(default)s)")
     ap.add_argument("--min-prompts", type=int, default=4,
                     help="prompts per set at concurrency c in the study: max(this, c) (default: %(default)s)")
     ap.add_argument("--max-step-tokens", type=int, default=4096, help="token budget per step in the study")
