@@ -99,10 +99,12 @@ class Acc:
     def shared_ratio(self, other: "Acc") -> float:
         """This mode's tokens/s over the other's, both totalled over the rounds both ran (a mode screened out
         after a few rounds is compared on those rounds only, not against another period of the machine)."""
-        shared = [r for r in self.rounds if r in other.rounds]
-        mine = [sum(self.rounds[r][i] for r in shared) for i in (0, 1)]
-        theirs = [sum(other.rounds[r][i] for r in shared) for i in (0, 1)]
-        return (mine[0] / mine[1]) / (theirs[0] / theirs[1])
+        shared = self.rounds.keys() & other.rounds.keys()
+
+        def rate(acc: "Acc") -> float:
+            return sum(acc.rounds[r][0] for r in shared) / sum(acc.rounds[r][1] for r in shared)
+
+        return rate(self) / rate(other)
 
 
 def log(msg: str) -> None:
@@ -275,7 +277,8 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                 ids = [o.outputs[0].token_ids for o in a.outputs]
                 others = [k for k in rates if k != lab and (policy_of[lab] != "adaptive" or policy_of[k] != "adaptive")]
                 # The best other mode is the one this mode trails most (or leads least) over the rounds both ran.
-                best_label = min(others, key=lambda k: a.shared_ratio(acc[k]))
+                vs = {k: a.shared_ratio(acc[k]) for k in others}
+                best_label = min(vs, key=vs.__getitem__)
                 paired = a.paired_ratios(acc[best_label])
                 mean = sum(paired) / len(paired)
                 se = (sum((r - mean) ** 2 for r in paired) / (len(paired) - 1) / len(paired)) ** 0.5 if len(paired) > 1 else 0.0
@@ -284,7 +287,7 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                 lines.append(
                     f"| {name} | {c} | {lab} | {len(prompts)} | {len(a.rounds)} | {a.tokens} | {a.steps} | "
                     f"{a.tokens / a.steps:.3f} | {a.seconds:.1f} | {rates[lab]:.1f} | {a.shared_ratio(acc['off']):.2f}x | "
-                    f"{a.shared_ratio(acc[best_label]):.2f}x ({min(paired):.2f}-{max(paired):.2f}) | {mean:.2f} ± {2 * se:.2f} | "
+                    f"{vs[best_label]:.2f}x ({min(paired):.2f}-{max(paired):.2f}) | {mean:.2f} ± {2 * se:.2f} | "
                     f"{'-' if err is None else f'{err * 100:.0f}%'} | {same}/{len(ids)}{'' if a.stable else ' (varied by round)'} | "
                     f"{match * 100:.1f}% |"
                 )
