@@ -2,8 +2,9 @@
 
 Many coroutines stream from it at once. A consumer that stops iterating (a cancelled task, a client
 that disconnected, a deadline that passed) aborts its request at once, which frees its KV blocks. A
-bounded number of live requests is accepted; past it ``QueueFullError`` is raised. A step that fails
-fails the requests it carried, and the loop goes on.
+bounded number of live requests is accepted; past it ``QueueFullError`` is raised. A request that a
+fault inside the engine ended raises ``RequestFailedError`` in its consumer alone (the engine isolates
+faults per request); the loop goes on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine has been shut down."""
+
+
+class RequestFailedError(RuntimeError):
+    """A fault inside the engine ended this request (the others go on)."""
 
 
 @dataclass
@@ -104,6 +109,8 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
+            if isinstance(item, RequestOutput) and item.error is not None:
+                item = RequestFailedError(item.error)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
             if isinstance(item, BaseException) or item.finished:
                 del self._streams[request_id]
@@ -119,9 +126,9 @@ class AsyncLLMEngine:
                     continue
                 try:
                     outputs = self.engine.step()
-                except Exception as e:  # never let one bad step kill the loop
+                except Exception as e:  # the engine isolates request faults; this is the last resort
                     self.num_failed_steps += 1
-                    logger.exception("engine step failed; failing its requests")
+                    logger.exception("engine step failed; failing every live request")
                     live = list(self._streams)
                     self.engine.abort_request(live)
                     for request_id in live:

@@ -86,7 +86,8 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+        """Run every prompt to completion; outputs come back in the order of the prompts. A request that a
+        fault inside the engine ended comes back with finish_reason "error" and ``error`` set."""
         ids = self._add(prompts, sampling_params)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

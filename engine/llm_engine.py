@@ -21,6 +21,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.step_profile import profile_step_cost
 from kv_cache import KVCacheManager
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from scheduler.request import describe_error
 from scheduler.cost import StepCostModel
 
 logger = logging.getLogger(__name__)
@@ -130,10 +131,15 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template may reject a role or an order of messages (jinja2 raises its own types)
+            raise ValueError(f"chat: the model's chat template rejects these messages: {e}") from None
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ints in [0, {self.vocab_size})")
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -158,14 +164,31 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass over everything scheduled; return outputs of requests that advanced."""
-        sched_out = self.scheduler.schedule()
-        # Requests the scheduler ended itself (outgrown the KV cache) report here.
-        outputs = [self._output(self._tracked.pop(r)) for r in sched_out.finished_req_ids if r in self._tracked]
+        """Run one forward pass over everything scheduled; return outputs of requests that advanced.
+
+        A fault raised for one request (its sampling, verification, commit, bookkeeping or detokenization)
+        ends that request with finish_reason "error" and leaves the others' tokens as they would have been.
+        A fault no request can be blamed for ends the step's requests; the engine goes on serving."""
+        try:
+            sched_out = self.scheduler.schedule()
+        except Exception as e:
+            logger.exception("scheduling failed; failing the running requests")
+            return self._fail({r.request_id: describe_error(e) for r in list(self.scheduler.running)})
+        # Requests the scheduler ended itself (outgrown the KV cache) report here; an id reused by a new
+        # request since then names the new one, which is not finished.
+        outputs = [self._output(self._tracked.pop(r)) for r in sched_out.finished_req_ids
+                   if r in self._tracked and self._tracked[r].request.status.finished]
         if sched_out.is_empty:
             if not outputs and self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return outputs
+        try:
+            return outputs + self._run(sched_out)
+        except Exception as e:
+            logger.exception("engine step failed; failing its requests")
+            return outputs + self._fail({s.req_id: describe_error(e) for s in sched_out.scheduled})
+
+    def _run(self, sched_out) -> list[RequestOutput]:
         t0 = time.perf_counter()
         runner_out = self.runner.execute(sched_out)
         self.last_step_seconds = time.perf_counter() - t0
@@ -180,9 +203,14 @@ class LLMEngine:
         self.lookahead_chosen.update(chosen)
         if self.log_schedule:
             self._log_step(sched_out, chosen)
+        outputs = self._fail(runner_out.failed)
         for req in self.scheduler.update_from_output(sched_out, runner_out):
             tracked = self._tracked[req.request_id]
-            tracked.detok.update(req.output_token_ids, req.status.finished)
+            try:
+                tracked.detok.update(req.output_token_ids, req.status.finished)
+            except Exception as e:
+                logger.exception("detokenizing failed for request %s", req.request_id)
+                self.scheduler.fail_requests({req.request_id: describe_error(e)})
             if tracked.detok.stopped_by is not None and not req.status.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by)
             elif tracked.detok.stopped_by is not None and req.status == RequestStatus.FINISHED_LENGTH:
@@ -191,6 +219,13 @@ class LLMEngine:
             if req.status.finished:
                 del self._tracked[req.request_id]
         return outputs
+
+    def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End these requests with their errors; their final outputs."""
+        if errors:
+            logger.error("ending %d request(s) with an internal error: %s", len(errors), errors)
+        self.scheduler.fail_requests(errors)
+        return [self._output(self._tracked.pop(r)) for r in errors if r in self._tracked]
 
     def _log_step(self, sched_out, chosen: list[str]) -> None:
         segs = sched_out.scheduled
@@ -229,6 +264,7 @@ class LLMEngine:
                 )
             ],
             finished=req.status.finished,
+            error=req.error,
             metrics=RequestMetrics(
                 arrival_time=t.arrival,
                 first_scheduled_time=t.first_scheduled,

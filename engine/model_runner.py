@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,9 @@ from engine.sampler import Sampler, processed_probs
 from engine.verify import Verdict, verify_greedy, verify_sampling
 from kv_cache import build_block_table, compute_slot_mapping
 from scheduler import LookaheadLayout, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from scheduler.request import describe_error
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -131,10 +135,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. A request whose own part raises (sampling, verification, its commit) is reported in
+        ``failed`` and the rest of the step stands. If the shared part raises (inputs, the forward pass), each
+        segment runs again alone: those that still raise are the culprits, the others keep their results.
+        Rerunning is safe: a failed pass has sampled nothing, and rewriting a key or value slot is idempotent."""
         self.sampler.forget(so.finished_req_ids)
         segs = so.scheduled
         if not segs:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        try:
+            return self._execute(segs)
+        except Exception as e:
+            if len(segs) == 1:
+                logger.exception("step failed for request %s", segs[0].req_id)
+                return ModelRunnerOutput([segs[0].req_id], [[]], failed={segs[0].req_id: describe_error(e)})
+            logger.exception("step of %d segments failed; running each alone to find the culprit", len(segs))
+        outs = []
+        for seg in segs:
+            try:
+                outs.append(self._execute([seg]))
+            except Exception as e:
+                logger.exception("step failed for request %s", seg.req_id)
+                outs.append(ModelRunnerOutput([seg.req_id], [[]], failed={seg.req_id: describe_error(e)}))
+        has_lookahead = any(s.lookahead is not None for s in segs)
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in segs],
+            sampled_token_ids=[o.sampled_token_ids[0] for o in outs],
+            lookahead_outputs=[(o.lookahead_outputs or [[]])[0] for o in outs] if has_lookahead else None,
+            failed={k: v for o in outs for k, v in o.failed.items()},
+        )
+
+    def _execute(self, segs: list[ScheduledRequest]) -> ModelRunnerOutput:
         inputs = build_step_inputs(segs, self.block_size, self.device)
         has_lookahead = any(s.lookahead is not None for s in segs)
         step_kv: list | None = [] if has_lookahead else None
@@ -148,6 +179,7 @@ class ModelRunner:
         starts = inputs.meta.query_start_loc
         sampled: list[list[int]] = [[] for _ in segs]
         window_outs: list[list[int]] = [[] for _ in segs]
+        failed: dict[str, str] = {}
 
         plain = [i for i, s in enumerate(segs) if s.sample and s.lookahead is None]
         la_segs = [i for i, s in enumerate(segs) if s.lookahead is not None]
@@ -157,25 +189,43 @@ class ModelRunner:
         rows = [starts[i + 1] - 1 for i in plain] + list(itertools.chain(*la_rows))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         if plain:
-            tokens = self.sampler.sample(logits[: len(plain)], [segs[i] for i in plain])
+            tokens, failed = self.sampler.sample(logits[: len(plain)], [segs[i] for i in plain])
             for i, token in zip(plain, tokens, strict=True):
-                sampled[i] = [token]
+                if segs[i].req_id not in failed:
+                    sampled[i] = [token]
 
         commits: list[tuple[int, int, int]] = []  # (segment, first token index, num tokens from x)
         la_logits = logits[len(plain) :] if la_segs else None
         lo = 0
         for i, rows in zip(la_segs, la_rows, strict=True):
             seg = segs[i]
-            verdict, window_outs[i] = self._lookahead(seg, la_logits[lo : lo + len(rows)])
+            try:
+                verdict, window_outs[i] = self._lookahead(seg, la_logits[lo : lo + len(rows)])
+            except Exception as e:
+                logger.exception("verification failed for request %s", seg.req_id)
+                failed[seg.req_id] = describe_error(e)
+            else:
+                sampled[i] = verdict.tokens
+                commits.append((i, verdict.candidate, verdict.num_matched))
             lo += len(rows)
-            sampled[i] = verdict.tokens
-            commits.append((i, verdict.candidate, verdict.num_matched))
         if commits:
-            self._commit(segs, inputs, commits, step_kv)
+            try:
+                self._commit(segs, inputs, commits, step_kv)
+            except Exception:  # commit each alone: only a culprit's own slots can be at fault
+                for commit in commits:
+                    try:
+                        self._commit(segs, inputs, [commit], step_kv)
+                    except Exception as e:
+                        logger.exception("committing the step failed for request %s", segs[commit[0]].req_id)
+                        failed[segs[commit[0]].req_id] = describe_error(e)
+        for i, seg in enumerate(segs):
+            if seg.req_id in failed:
+                sampled[i], window_outs[i] = [], []
         return ModelRunnerOutput(
             req_ids=[s.req_id for s in segs],
             sampled_token_ids=sampled,
             lookahead_outputs=window_outs if has_lookahead else None,
+            failed=failed,
         )
 
     @staticmethod

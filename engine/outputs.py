@@ -32,7 +32,7 @@ class CompletionOutput:
     index: int
     text: str  # all text so far
     token_ids: list[int]  # all output token ids so far
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     delta_text: str = ""  # text added since the previous output for this request (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
@@ -50,6 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # set when a fault inside the engine ended this request (finish_reason "error")
 
     @property
     def num_generated_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from scheduler import ScheduledRequest
+from scheduler.request import describe_error
 
 
 def processed_probs(
@@ -50,18 +51,38 @@ class Sampler:
         for req_id in req_ids:
             self._generators.pop(req_id, None)
 
-    def sample(self, logits: torch.Tensor, segs: list[ScheduledRequest]) -> list[int]:
-        """One token per row of ``logits`` ([n, vocab]), row i for ``segs[i]``."""
+    def sample(self, logits: torch.Tensor, segs: list[ScheduledRequest]) -> tuple[list[int], dict[str, str]]:
+        """One token per row of ``logits`` ([n, vocab]), row i for ``segs[i]``; and the requests whose draw
+        raised (a row of NaNs, say), with what was raised. Their rows hold -1; no other row is touched:
+        each row is drawn from its own distribution with its own generator."""
         tokens = logits.argmax(dim=-1).tolist()
+        failed: dict[str, str] = {}
         rows = [i for i, s in enumerate(segs) if s.temperature >= 1e-5]
-        if rows:
-            sub = [segs[i] for i in rows]
-            probs = processed_probs(
-                logits[rows],
-                torch.tensor([s.temperature for s in sub]),
-                torch.tensor([s.top_k for s in sub]),
-                torch.tensor([s.top_p for s in sub]),
-            ).cpu()
-            for row, seg, p in zip(rows, sub, probs, strict=True):
-                tokens[row] = int(torch.multinomial(p, 1, generator=self.generator(seg)))
-        return tokens
+        if not rows:
+            return tokens, failed
+        sub = [segs[i] for i in rows]
+        try:
+            probs = self._probs(logits[rows], sub)
+        except Exception:  # find the culprit row by row; nothing has been drawn yet
+            probs = None
+        for k, (row, seg) in enumerate(zip(rows, sub, strict=True)):
+            try:
+                p = probs[k] if probs is not None else self._probs(logits[row : row + 1], [seg])[0]
+                tokens[row] = self.draw(p, seg)
+            except Exception as e:
+                tokens[row] = -1
+                failed[seg.req_id] = describe_error(e)
+        return tokens, failed
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, segs: list[ScheduledRequest]) -> torch.Tensor:
+        return processed_probs(
+            logits,
+            torch.tensor([s.temperature for s in segs]),
+            torch.tensor([s.top_k for s in segs]),
+            torch.tensor([s.top_p for s in segs]),
+        ).cpu()
+
+    def draw(self, probs: torch.Tensor, seg: ScheduledRequest) -> int:
+        """One token from ``probs`` ([vocab]) with the request's generator."""
+        return int(torch.multinomial(probs, 1, generator=self.generator(seg)))

@@ -47,3 +47,6 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Per scheduled request: for a lookahead step the model's argmax at the newest window level, else [].
     lookahead_outputs: list[list[int]] | None = None
+    # Requests whose part of the step raised (sampling, verification, committing, or the forward pass
+    # when run alone), with what was raised: they end with an error, the rest of the step stands.
+    failed: dict[str, str] = field(default_factory=dict)

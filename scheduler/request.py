@@ -19,6 +19,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # a fault inside the engine while running this request (``Request.error`` says what)
 
     @property
     def finished(self) -> bool:
@@ -33,7 +34,13 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+
+
+def describe_error(e: BaseException) -> str:
+    """What a client is told of a fault inside the engine that ended its request."""
+    return f"internal error while running the request: {type(e).__name__}: {e}"
 
 
 @dataclass(slots=True)
@@ -69,6 +76,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # what failed, when status is FINISHED_ERROR
         self.num_preemptions = 0
         self.num_steps = 0  # forward passes that produced at least one output token
         self.timing = RequestTiming()

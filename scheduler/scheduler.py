@@ -15,6 +15,7 @@ only from free blocks: when they are short the request decodes plainly; lookahea
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -37,7 +38,9 @@ from scheduler.policy import (
     ladder,
     planned_gain,
 )
-from scheduler.request import Request, RequestStatus
+from scheduler.request import Request, RequestStatus, describe_error
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -164,6 +167,17 @@ class Scheduler:
             req.stop_reason = stop_reason
             self._finish(req, status)
 
+    def fail_requests(self, errors: dict[str, str]) -> list[Request]:
+        """End requests whose part of a step raised, with FINISHED_ERROR; their blocks are freed."""
+        failed = []
+        for req_id, message in errors.items():
+            req = self.requests.get(req_id)
+            if req is not None and not req.status.finished:
+                req.error = message
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                failed.append(req)
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -237,36 +251,48 @@ class Scheduler:
         for i, (seg, sampled) in enumerate(zip(sched_out.scheduled, runner_out.sampled_token_ids, strict=True)):
             req = self.requests.get(seg.req_id)
             if req is None or req.status.finished:
-                continue  # aborted while the model ran: its output is dropped
-            if seg.lookahead is not None:
-                assert req.lookahead is not None and runner_out.lookahead_outputs is not None
-                req.num_computed_tokens += len(sampled)  # x and the matched candidate tokens
-                req.lookahead.update(seg.token_ids[0], runner_out.lookahead_outputs[i], sampled)  # no outputs: verify only
-                req.accepted_lengths[len(sampled)] += 1
-                if seg.lookahead.num_candidates:
-                    req.lookahead.num_pool_hits += 1
-                found = seg.lookahead.num_candidates
-                self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled), found)
-                self._acceptance_all.observe(req.lookahead_step, len(sampled), found)
-            else:
-                req.num_computed_tokens += len(seg.token_ids)
-                if sampled and req.lookahead is not None:
-                    req.lookahead.add_output(sampled)
-                    self._acceptance[req.request_id].observe(None, 1)
-            if sampled:
-                req.num_steps += 1
-                if req.timing.first_token is None:
-                    req.timing.first_token = now
-                for token_id in sampled:
-                    req.append_output(token_id)
-                    status = self._check_stop(req, token_id)
-                    if status is not None:
-                        self._finish(req, status)
-                        break
+                continue  # aborted or failed while the model ran: its output is dropped
+            try:
+                if self._advance(req, seg, sampled, runner_out.lookahead_outputs, i, now):
+                    updated.append(req)
+            except Exception as e:  # a fault in one request's bookkeeping ends that request alone
+                logger.exception("request %s failed while updating from the step", req.request_id)
+                req.error = describe_error(e)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
                 updated.append(req)
-            if not req.status.finished:
-                self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
         return updated
+
+    def _advance(self, req: Request, seg: ScheduledRequest, sampled: list[int],
+                 lookahead_outputs: list[list[int]] | None, i: int, now: float) -> bool:
+        """Apply one segment's result to its request; True if the request was given new tokens."""
+        if seg.lookahead is not None:
+            assert req.lookahead is not None and lookahead_outputs is not None
+            req.num_computed_tokens += len(sampled)  # x and the matched candidate tokens
+            req.lookahead.update(seg.token_ids[0], lookahead_outputs[i], sampled)  # no outputs: verify only
+            req.accepted_lengths[len(sampled)] += 1
+            if seg.lookahead.num_candidates:
+                req.lookahead.num_pool_hits += 1
+            found = seg.lookahead.num_candidates
+            self._acceptance[req.request_id].observe(req.lookahead_step, len(sampled), found)
+            self._acceptance_all.observe(req.lookahead_step, len(sampled), found)
+        else:
+            req.num_computed_tokens += len(seg.token_ids)
+            if sampled and req.lookahead is not None:
+                req.lookahead.add_output(sampled)
+                self._acceptance[req.request_id].observe(None, 1)
+        if sampled:
+            req.num_steps += 1
+            if req.timing.first_token is None:
+                req.timing.first_token = now
+            for token_id in sampled:
+                req.append_output(token_id)
+                status = self._check_stop(req, token_id)
+                if status is not None:
+                    self._finish(req, status)
+                    break
+        if not req.status.finished:
+            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        return bool(sampled)
 
     # ---- internals -----------------------------------------------------------------------------
     def _report_exploration(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
