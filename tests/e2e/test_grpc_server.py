@@ -25,14 +25,18 @@ def _request(ids=PROMPT, max_tokens=16, lookahead=None, **sampling):
     return req
 
 
-def _offline(llm: LLM, ids, max_tokens, lookahead=None):
+def _offline(server, ids, max_tokens, lookahead=None):
+    """Greedy tokens from the served LLM directly. The server's engine loop steps the same engine from its
+    own thread, so it is driven here under the async engine's lock."""
+    _, _, engine, llm = server
     params = SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=lookahead)
-    return llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    with engine._locked():
+        return llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
 
 
 def test_stream_and_unary_equal_offline(tiny_server):
-    stub, _, _, llm = tiny_server
-    expected = _offline(llm, PROMPT, 24)
+    stub = tiny_server[0]
+    expected = _offline(tiny_server, PROMPT, 24)
     chunks = list(stub.Generate(_request(max_tokens=24, temperature=0)))
     assert [t for c in chunks for t in c.token_ids] == expected
     assert chunks[-1].finish_reason == "length" and all(not c.finish_reason for c in chunks[:-1])
@@ -46,9 +50,9 @@ def test_stream_and_unary_equal_offline(tiny_server):
 
 
 def test_32_concurrent_streams_complete(tiny_server):
-    stub, _, engine, llm = tiny_server
+    stub, _, engine, _ = tiny_server
     prompts = [PROMPT[i % 7 :] + [i] for i in range(32)]
-    expected = [_offline(llm, p, 12) for p in prompts]
+    expected = [_offline(tiny_server, p, 12) for p in prompts]
 
     def run(p):
         return [t for c in stub.Generate(_request(p, max_tokens=12, temperature=0)) for t in c.token_ids]
@@ -121,8 +125,8 @@ def test_bad_input_is_invalid_argument(tiny_server, name, request_msg, field):
 
 
 def test_bad_input_does_not_disturb_requests_in_flight(tiny_server):
-    stub, _, _, llm = tiny_server
-    expected = _offline(llm, PROMPT, 40)
+    stub = tiny_server[0]
+    expected = _offline(tiny_server, PROMPT, 40)
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("ids", list(stub.GenerateUnary(_request(max_tokens=40, temperature=0)).token_ids)))
     t.start()
