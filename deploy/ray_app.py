@@ -4,10 +4,17 @@
     serve run deploy/serve_config.yaml          # or: make serve-ray
 
 Keep Ray on loopback on a developer machine: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray starts.
+
+A replica that is stopped (scale-down, redeploy, `serve shutdown`) drains like `lookahead-serve serve` on
+SIGTERM. Ray Serve 2.60 (`ray/serve/_private/replica.py`, `_perform_graceful_shutdown`) stops routing to
+it, waits until it has no ongoing request (checking every `graceful_shutdown_wait_loop_s`), then awaits
+its `__del__`; the controller kills it `graceful_shutdown_timeout_s` after the stop began, whatever still
+runs. So live streams get `SHUTDOWN_GRACE_S` to finish, then `__del__` closes the engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +25,8 @@ from ray.serve.grpc_util import RayServegRPCContext
 from proto.lookahead.v1 import lookahead_pb2 as pb
 
 SERVICER_FUNCTION = "proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"
+SHUTDOWN_GRACE_S = 30.0  # as `lookahead-serve serve --shutdown-grace`: what live streams get on a stop
+DESTRUCTOR_S = 10.0  # on top of the grace: __del__ closing the engine, and Ray closing the replica's servers
 
 
 @contextmanager
@@ -36,8 +45,9 @@ def _grpc_status(grpc_context: RayServegRPCContext) -> Iterator[None]:
 
 # max_ongoing_requests matches the engine's default max_num_seqs (64): a replica takes as many requests
 # as its engine can run at once, and Ray's router sends the rest to another replica instead of queueing
-# them inside this one's engine.
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+# them inside this one's engine. A stopping replica checks every second whether its streams are done.
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64, graceful_shutdown_wait_loop_s=1.0,
+                  graceful_shutdown_timeout_s=SHUTDOWN_GRACE_S + DESTRUCTOR_S)
 class LookaheadDeployment:
     def __init__(self, model: str | None = None, served_model_name: str | None = None,
                  engine_args: dict[str, Any] | None = None, max_live_requests: int = 256) -> None:
@@ -67,19 +77,25 @@ class LookaheadDeployment:
     async def GetModelInfo(self, request: pb.GetModelInfoRequest) -> pb.ModelInfo:
         return self.core.model_info()
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve awaits this once the replica's streams are done: refuse new calls with UNAVAILABLE,
+        give anything still in the engine a short drain, then end it with UNAVAILABLE too."""
         core = getattr(self, "core", None)
         if core is not None:
-            core.engine.shutdown()
+            core.accepting = False
+            await asyncio.to_thread(core.engine.shutdown, DESTRUCTOR_S / 2)
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """Application builder for `serve run deploy.ray_app:build_app model=... num_replicas=...` and the YAML."""
+    """Application builder for `serve run deploy.ray_app:build_app model=... num_replicas=...` and the YAML.
+    ``shutdown_grace_s`` (default SHUTDOWN_GRACE_S) is how long a stopping replica's streams may run."""
     options: dict[str, Any] = {}
     if "num_replicas" in args:
         options["num_replicas"] = int(args["num_replicas"])
     if "num_cpus" in args:
         options["ray_actor_options"] = {"num_cpus": float(args["num_cpus"])}
+    if "shutdown_grace_s" in args:
+        options["graceful_shutdown_timeout_s"] = float(args["shutdown_grace_s"]) + DESTRUCTOR_S
     return LookaheadDeployment.options(**options).bind(
         model=args.get("model"),
         served_model_name=args.get("served_model_name"),

@@ -85,6 +85,32 @@ def _engine_from_args(args: argparse.Namespace, objective: str):
                log_schedule=args.log_schedule)
 
 
+def _read_pem(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot read {path}: {e.strerror}") from None
+
+
+def _serve_options(args: argparse.Namespace) -> dict:
+    """start_server's keyword arguments from the flags, checked before the model loads."""
+    import os
+
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be positive, got {args.max_request_bytes}")
+    if args.shutdown_grace < 0:
+        raise ValueError(f"--shutdown-grace must be >= 0, got {args.shutdown_grace}")
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    options = {"max_receive_message_bytes": args.max_request_bytes,
+               "api_key": args.api_key or os.environ.get("LOOKAHEAD_API_KEY") or None}
+    if args.ssl_certfile is not None:
+        options["ssl_cert_pem"] = _read_pem(args.ssl_certfile, "--ssl-certfile")
+        options["ssl_key_pem"] = _read_pem(args.ssl_keyfile, "--ssl-keyfile")
+    return options
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
@@ -93,17 +119,21 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.loader import DEFAULT_MODEL_NAME
     from proto.server import serve_forever
 
+    options = _serve_options(args)
     llm = _engine_from_args(args, "throughput")  # requests come and go: every token counts alike
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
     engine = AsyncLLMEngine(llm.engine, max_live_requests=args.max_live_requests)
-    try:
-        asyncio.run(serve_forever(engine, name, args.host, args.port, args.metrics_port))
+    try:  # SIGTERM and SIGINT drain the server and return; Ctrl-C before it is up lands here
+        asyncio.run(serve_forever(engine, name, args.host, args.port, args.metrics_port,
+                                  shutdown_grace=args.shutdown_grace, **options))
     except KeyboardInterrupt:
         engine.shutdown()
     return 0
 
 
 def _client(args: argparse.Namespace) -> int:
+    import os
+
     import grpc
 
     from proto.lookahead.v1 import lookahead_pb2 as pb
@@ -120,11 +150,19 @@ def _client(args: argparse.Namespace) -> int:
         la = args.lookahead
         request.lookahead.CopyFrom(pb.LookaheadParams(enabled=not la.is_plain, window_size=la.window_size,
                                                       ngram_size=la.ngram_size, verification_set_size=la.verification_set_size))
+    api_key = args.api_key or os.environ.get("LOOKAHEAD_API_KEY")
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    if args.ssl_ca_certfile is not None:
+        credentials = grpc.ssl_channel_credentials(_read_pem(args.ssl_ca_certfile, "--ssl-ca-certfile"))
+        channel = grpc.secure_channel(args.server, credentials)
+    else:
+        channel = grpc.insecure_channel(args.server)
     start = time.perf_counter()
-    with grpc.insecure_channel(args.server) as channel:
+    with channel:
         try:
             last = None
-            for chunk in pb_grpc.LookaheadServiceStub(channel).Generate(request, timeout=args.timeout):
+            stub = pb_grpc.LookaheadServiceStub(channel)
+            for chunk in stub.Generate(request, timeout=args.timeout, metadata=metadata):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
@@ -169,12 +207,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="name clients may put in GenerateRequest.model")
     srv.add_argument("--max-live-requests", type=int, default=256,
                      help="requests held at once; more get RESOURCE_EXHAUSTED (default: %(default)s)")
+    srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                     help="largest request message; larger ones get RESOURCE_EXHAUSTED (default: %(default)s = 4 MiB)")
+    srv.add_argument("--shutdown-grace", type=float, default=30.0,
+                     help="on SIGTERM/SIGINT, seconds live streams may take to finish before they are ended with "
+                          "UNAVAILABLE (default: %(default)s)")
+    srv.add_argument("--api-key", default=None,
+                     help="require the metadata 'authorization: Bearer KEY' on every LookaheadService call "
+                          "(default: env LOOKAHEAD_API_KEY, which keeps the key out of the process list)")
+    srv.add_argument("--ssl-certfile", default=None, help="serve TLS with this PEM certificate chain")
+    srv.add_argument("--ssl-keyfile", default=None, help="the PEM private key of --ssl-certfile")
     srv.set_defaults(func=_serve)
 
     cli = sub.add_parser("client", help="stream an answer from a running server")
     _add_sampling_args(cli)
     cli.add_argument("--server", default="127.0.0.1:50051", help="host:port (default: %(default)s)")
     cli.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
+    cli.add_argument("--api-key", default=None, help="the server's API key (default: env LOOKAHEAD_API_KEY)")
+    cli.add_argument("--ssl-ca-certfile", default=None,
+                     help="connect with TLS, trusting this PEM CA (or self-signed server) certificate")
     cli.set_defaults(func=_client)
     return parser
 

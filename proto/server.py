@@ -1,16 +1,23 @@
 """The gRPC server: LookaheadService over the async engine, plus standard health and reflection.
 
-Bad input (ValueError anywhere on the way in) -> INVALID_ARGUMENT with the message naming the field;
-too many live requests -> RESOURCE_EXHAUSTED; a cancelled call, a disconnected client or a passed
-deadline aborts the request and frees its KV blocks at once.
+Bad input (ValueError anywhere on the way in, or a message that does not parse) -> INVALID_ARGUMENT with
+the message naming the field; too many live requests or a request over ``max_receive_message_bytes`` ->
+RESOURCE_EXHAUSTED; a missing or wrong API key -> UNAUTHENTICATED; while shutting down -> UNAVAILABLE.
+A cancelled call, a disconnected client or a passed deadline aborts the request and frees its KV blocks
+at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
@@ -23,6 +30,8 @@ from proto.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LookaheadService"].full_name
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default; a 32k-token prompt is well under 1 MiB
+STATUS_FLUSH_S = 5.0  # after a drain: time for the last statuses to reach their clients before the server closes
 
 
 class RequestError(Exception):
@@ -38,15 +47,24 @@ class RequestError(Exception):
 
 
 class ServiceCore:
-    """The service's logic, shared by the standalone server and the Ray Serve deployment."""
+    """The service's logic, shared by the standalone server and the Ray Serve deployment.
+
+    ``accepting`` turns False when a shutdown begins: new calls get UNAVAILABLE, live ones go on.
+    """
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.accepting = True
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
 
     async def outputs(self, request: pb.GenerateRequest):
         """RequestOutputs of one call; every failure raised as a RequestError with its status code."""
+        self._check_accepting()
         eng = self.engine.engine
         try:
             if request.model and request.model != self.model_name:
@@ -79,6 +97,7 @@ class ServiceCore:
         return to_response(last, last.outputs[0].text, last.outputs[0].token_ids)
 
     def model_info(self) -> pb.ModelInfo:
+        self._check_accepting()
         eng = self.engine.engine
         la = eng.scheduler.config.lookahead
         return pb.ModelInfo(
@@ -95,12 +114,38 @@ class ServiceCore:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class UndecodableRequest:
+    """Stands in for a request message that did not parse (``error`` says why)."""
+
+    error: str
+
+
+def _lenient(parse: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    """A request deserializer that never raises: gRPC answers a parse error with UNKNOWN, while the
+    servicer answers the stand-in with INVALID_ARGUMENT."""
+
+    def deserialize(data: bytes) -> object:
+        try:
+            return parse(data)
+        except DecodeError as e:
+            return UndecodableRequest(str(e))
+
+    return deserialize
+
+
+def _check_decoded(request: object) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"the request message does not parse: {request.error}")
+
+
 class LookaheadServicer(pb_grpc.LookaheadServiceServicer):
     def __init__(self, core: ServiceCore) -> None:
         self.core = core
 
     async def Generate(self, request, context):
         try:
+            _check_decoded(request)
             async for response in self.core.stream(request):
                 yield response
         except RequestError as e:
@@ -108,44 +153,157 @@ class LookaheadServicer(pb_grpc.LookaheadServiceServicer):
 
     async def GenerateUnary(self, request, context):
         try:
+            _check_decoded(request)
             return await self.core.unary(request)
         except RequestError as e:
             await context.abort(e.code, e.details)
 
     async def GetModelInfo(self, request, context):
-        return self.core.model_info()
+        try:
+            _check_decoded(request)
+            return self.core.model_info()
+        except RequestError as e:
+            await context.abort(e.code, e.details)
+
+
+def _add_servicer(servicer: LookaheadServicer, server: grpc.aio.Server) -> None:
+    """Register the service as the generated ``add_LookaheadServiceServicer_to_server`` does, but with
+    request deserializers that never raise."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, _lenient(pb.GenerateRequest.FromString), pb.GenerateResponse.SerializeToString),
+        "GenerateUnary": grpc.unary_unary_rpc_method_handler(
+            servicer.GenerateUnary, _lenient(pb.GenerateRequest.FromString), pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, _lenient(pb.GetModelInfoRequest.FromString), pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """LookaheadService calls need the metadata ``authorization: Bearer <key>``, else UNAUTHENTICATED.
+    Health and reflection stay open: load balancers and grpcurl call them without a key."""
+
+    def __init__(self, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/")
+                or self._authorized(handler_call_details.invocation_metadata)):
+            return handler
+
+        async def refuse(request, context):  # request stays raw bytes: nothing of it is parsed
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key "
+                                "(send the metadata authorization: Bearer <key>)")
+
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+    def _authorized(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(given, self._expected)  # constant time: no timing oracle
+        return False
+
+
+@dataclass
+class RunningServer:
+    """A started server: the gRPC server, the port it bound, the service core and the health servicer."""
+
+    server: grpc.aio.Server
+    port: int
+    core: ServiceCore
+    health: health.aio.HealthServicer
+
+    async def shutdown(self, grace: float) -> None:
+        """Drain, then stop: health NOT_SERVING and new LookaheadService calls UNAVAILABLE at once, live
+        requests finish for up to ``grace`` s, the rest end with UNAVAILABLE, then the server closes."""
+        self.core.accepting = False
+        await self.health.enter_graceful_shutdown()
+        await asyncio.to_thread(self.core.engine.shutdown, grace)  # blocks until drained or grace is up
+        await self.server.stop(STATUS_FLUSH_S)  # lets the aborted calls send their UNAVAILABLE
 
 
 async def start_server(
-    engine: AsyncLLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 50051, metrics_port: int | None = None
-) -> tuple[grpc.aio.Server, int]:
-    """Start serving; returns the server and the port it bound (port 0 picks a free one)."""
+    engine: AsyncLLMEngine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    metrics_port: int | None = None,
+    *,
+    max_receive_message_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_key: str | None = None,
+    ssl_cert_pem: bytes | None = None,
+    ssl_key_pem: bytes | None = None,
+) -> RunningServer:
+    """Start serving (port 0 picks a free one). Larger request messages get RESOURCE_EXHAUSTED; with
+    ``api_key`` LookaheadService calls need it; with a PEM certificate chain and key it serves TLS."""
+    if max_receive_message_bytes < 1:
+        raise ValueError(f"max_receive_message_bytes must be positive, got {max_receive_message_bytes}")
+    if (ssl_cert_pem is None) != (ssl_key_pem is None):
+        raise ValueError("TLS needs both a certificate (ssl_cert_pem) and its private key (ssl_key_pem)")
     metrics = ServerMetrics(engine.engine)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=metrics.registry)
-    server = grpc.aio.server()
-    pb_grpc.add_LookaheadServiceServicer_to_server(LookaheadServicer(ServiceCore(engine, model_name, metrics)), server)
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(api_key)] if api_key is not None else None,
+        options=[("grpc.max_receive_message_length", max_receive_message_bytes)],
+    )
+    core = ServiceCore(engine, model_name, metrics)
+    _add_servicer(LookaheadServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if ssl_cert_pem is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(ssl_key_pem, ssl_cert_pem)]))
     if bound == 0:
-        raise ValueError(f"cannot bind {host}:{port}")
+        raise ValueError(f"cannot bind {address}")
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return RunningServer(server, bound, core, health_servicer)
 
 
-async def serve_forever(engine: AsyncLLMEngine, model_name: str, host: str, port: int, metrics_port: int | None) -> None:
-    server, bound = await start_server(engine, model_name, host, port, metrics_port)
-    logger.info("serving %s on %s:%d", model_name, host, bound)
-    print(f"lookahead-serve: serving {model_name} on {host}:{bound}"
+async def serve_forever(engine: AsyncLLMEngine, model_name: str, host: str, port: int, metrics_port: int | None,
+                        *, shutdown_grace: float = 30.0, **server_options) -> None:
+    """Serve until SIGTERM or SIGINT, then drain for up to ``shutdown_grace`` s (a second signal ends the
+    drain at once: live requests get UNAVAILABLE) and return. ``server_options`` go to start_server."""
+    running = await start_server(engine, model_name, host, port, metrics_port, **server_options)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    pending: set[asyncio.Task] = set()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            print(f"lookahead-serve: {sig.name}: draining for up to {shutdown_grace:g} s", flush=True)
+            stop.set()
+        else:  # a second signal: fail the live requests now (concurrent shutdowns are safe)
+            print(f"lookahead-serve: {sig.name}: ending live requests now", flush=True)
+            task = loop.create_task(asyncio.to_thread(engine.shutdown, 0.0))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal, sig)
+    tls = ", TLS" if server_options.get("ssl_cert_pem") else ""
+    key = ", API key required" if server_options.get("api_key") else ""
+    logger.info("serving %s on %s:%d%s%s", model_name, host, running.port, tls, key)
+    print(f"lookahead-serve: serving {model_name} on {host}:{running.port}{tls}{key}"
           + (f", metrics on http://{host}:{metrics_port}/metrics" if metrics_port else ""), flush=True)
     try:
-        await server.wait_for_termination()
-    except asyncio.CancelledError:
-        pass
-    finally:
-        await server.stop(grace=2)
-        engine.shutdown(drain_timeout=0)
+        await stop.wait()
+    finally:  # a cancelled serve_forever stops at once, without a drain
+        await running.shutdown(shutdown_grace if stop.is_set() else 0.0)
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+    print("lookahead-serve: stopped", flush=True)

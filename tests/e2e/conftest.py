@@ -16,17 +16,19 @@ from proto.server import start_server
 
 
 @contextmanager
-def serving(llm: LLM, model_name: str, max_live_requests: int = 256):
-    """Serve ``llm`` on 127.0.0.1 (a free port) from a background event loop; yields (port, engine)."""
+def serving(llm: LLM, model_name: str, max_live_requests: int = 256, **server_options):
+    """Serve ``llm`` on 127.0.0.1 (a free port) from a background event loop; yields (port, engine).
+    ``server_options`` go to start_server (api_key, ssl_cert_pem, max_receive_message_bytes, ...)."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     engine = AsyncLLMEngine(llm.engine, max_live_requests=max_live_requests)
-    server, port = asyncio.run_coroutine_threadsafe(start_server(engine, model_name, "127.0.0.1", 0), loop).result(30)
+    running = asyncio.run_coroutine_threadsafe(
+        start_server(engine, model_name, "127.0.0.1", 0, **server_options), loop).result(30)
     try:
-        yield port, engine
+        yield running.port, engine
     finally:
-        asyncio.run_coroutine_threadsafe(server.stop(grace=1), loop).result(30)
+        asyncio.run_coroutine_threadsafe(running.server.stop(grace=1), loop).result(30)
         engine.shutdown()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)

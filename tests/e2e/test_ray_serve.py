@@ -31,7 +31,7 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.serve.config import gRPCOptions  # noqa: E402
-from ray.serve.schema import ProxyStatus  # noqa: E402
+from ray.serve.schema import ApplicationStatus, ProxyStatus  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from proto.lookahead.v1 import lookahead_pb2 as pb  # noqa: E402
@@ -149,3 +149,31 @@ def test_bad_input_keeps_its_status_through_the_proxy(ray_serve_app):
             rpc(_request([]), timeout=CALL_TIMEOUT_S)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert "empty" in err.value.details()
+
+
+def test_a_stopping_replica_lets_its_live_stream_finish(ray_serve_app):
+    """Runs last: it deletes the application. Ray Serve stops both replicas, each waits for its ongoing
+    streams (deploy/ray_app.py), so a stream that is live when the deletion starts still ends normally."""
+    stub = ray_serve_app
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+        temperature=0, max_tokens=480, ignore_eos=True))
+    arrivals: list[tuple[float, pb.GenerateResponse]] = []
+    stream = stub.Generate(request, timeout=CALL_TIMEOUT_S)
+    arrivals.append((time.monotonic(), next(stream)))
+    pool = ThreadPoolExecutor(2, thread_name_prefix="drain")
+    reading = pool.submit(lambda: arrivals.extend((time.monotonic(), c) for c in stream))
+    deleting = pool.submit(serve.delete, "lookahead")
+
+    def stopping() -> bool:
+        app = serve.status().applications.get("lookahead")
+        return app is None or app.status == ApplicationStatus.DELETING
+
+    _wait_until(stopping, "the application DELETING", 30)
+    deleting_seen = time.monotonic()
+    reading.result(timeout=CALL_TIMEOUT_S)
+    deleting.result(timeout=CALL_TIMEOUT_S)
+    pool.shutdown()
+    assert arrivals[-1][1].finish_reason == "length"
+    assert sum(len(c.token_ids) for _, c in arrivals) == 480
+    assert arrivals[-1][0] > deleting_seen, "the stream ended before the replicas began to stop"
+    assert "lookahead" not in serve.status().applications
