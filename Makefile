@@ -16,7 +16,7 @@ USERS ?= 8
 RUN_TIME ?= 60s
 LOAD_HOST ?= $(HOST):$(PORT)
 
-.PHONY: install run serve serve-ray load generate test proto bench-throughput bench-lookahead bench-serving clean
+.PHONY: install run serve serve-ray load generate test proto bench-throughput bench-lookahead bench-serving soak clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,14 @@ bench-lookahead: $(STAMP)
 # Through the gRPC server: 1, 8 and 32 streaming clients, lookahead on vs off (about 10 minutes).
 bench-serving: $(STAMP)
 	$(PY) benchmarks/serving.py --results benchmarks/RESULTS.md
+
+# Soak the gRPC server (its own process, default model): $(SOAK_CLIENTS) clients for $(DURATION) s of good,
+# cancelled, timed-out and bad calls; fails on an unexpected status, a KV leak, RSS growth > 5% or more threads.
+DURATION ?= 600
+SOAK_CLIENTS ?= 16
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py --duration $(DURATION) --clients $(SOAK_CLIENTS) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
