@@ -14,11 +14,11 @@ import torch
 from engine.attention import get_backend
 from engine.config import EngineConfig, default_scheduler_config
 from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from engine.loader import cache_root, load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.step_profile import profile_step_cost
+from engine.step_profile import cached_step_cost
 from kv_cache import KVCacheManager
 from scheduler import Request, RequestStatus, SamplingParams, Scheduler
 from scheduler.request import describe_error
@@ -67,8 +67,9 @@ class LLMEngine:
         sched_cfg = replace(config.scheduler or default_scheduler_config(), max_model_len=max_model_len)
 
         torch.manual_seed(mc.seed)
+        backend = get_backend(mc.attention_backend, mc.device)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-            model = LlamaForCausalLM(self.hf_config, get_backend(mc.attention_backend, mc.device), max_model_len)
+            model = LlamaForCausalLM(self.hf_config, backend, max_model_len)
         model = model.to_empty(device=self.device)
         model.load_weights(load_state_dict(self.model_path))
         self.model = model.to(dtype=self.dtype).eval()
@@ -80,7 +81,8 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype, mc.seed)
         if cost_model is None and sched_cfg.lookahead_policy == "adaptive":
-            cost_model = profile_step_cost(self.runner, sched_cfg.max_num_batched_tokens)
+            cost_model = cached_step_cost(self.runner, self.model_path, type(backend).__name__,
+                                          sched_cfg.max_num_batched_tokens, cache_root() / "step-cost")
         self.scheduler = Scheduler(sched_cfg, self.kv_manager, cost_model)
         self.log_schedule = log_schedule
         self.lookahead_chosen: Counter[str] = Counter()  # (w,n,g) label -> lookahead segments run

@@ -9,10 +9,16 @@ cache.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from scheduler import LookaheadLayout, ScheduledRequest, SchedulerOutput
 from scheduler.cost import StepCostModel
@@ -20,6 +26,7 @@ from scheduler.cost import StepCostModel
 logger = logging.getLogger(__name__)
 
 CONTEXT = 48  # tokens each synthetic request has in the cache
+PROFILE_VERSION = 1  # bump when the profile's steps or derivation change: older cached profiles are ignored
 
 
 def knots_for(max_tokens: int) -> list[int]:
@@ -116,4 +123,56 @@ def profile_step_cost(runner, max_tokens: int, repeats: int = 5, learning_rate: 
         ", ".join(f"{k} tok {s * 1e3:.1f}" for k, s in zip(knots, seconds)),
         cost.per_segment * 1e3, cost.per_decode * 1e3, cost.decode_overhead * 1e3,
     )
+    return cost
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _model_key(model_path: Path) -> list:
+    """The model folder and the size and modification time of its weights and config."""
+    files = sorted(p for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".json"))
+    return [str(model_path)] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def profile_key(runner, model_path: Path, backend: str, max_tokens: int) -> str:
+    """What a profile depends on: the machine (processor, threads, device), the model, dtype, attention
+    backend, step budget and the profile's own version."""
+    device = runner.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    parts = [PROFILE_VERSION, platform.machine(), device_name, torch.__version__, torch.get_num_threads(),
+             _model_key(model_path), str(runner.kv_caches[0].dtype), backend, runner.block_size, max_tokens]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
+
+
+def cached_step_cost(runner, model_path: Path, backend: str, max_tokens: int, cache_dir: Path) -> StepCostModel:
+    """The step-cost profile for this machine, model, dtype and backend: read from ``cache_dir`` when it was
+    measured before, else measured now (``profile_step_cost``) and saved. The live fit corrects the saved
+    profile as steps run, as it corrects a fresh one."""
+    path = Path(cache_dir) / f"{profile_key(runner, model_path, backend, max_tokens)}.json"
+    try:
+        fields = json.loads(path.read_text())
+        cost = StepCostModel(**fields)
+        logger.info("step-cost profile read from %s", path)
+        return cost
+    except (OSError, ValueError, TypeError):
+        pass  # none yet, or unreadable: measure
+    cost = profile_step_cost(runner, max_tokens)
+    fields = dict(knots=list(cost.knots), seconds=list(cost.seconds), per_segment=cost.per_segment,
+                  learning_rate=cost.learning_rate, per_decode=cost.per_decode, decode_overhead=cost.decode_overhead)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(fields))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError as e:
+        logger.warning("could not save the step-cost profile to %s: %s", path, e)
     return cost
