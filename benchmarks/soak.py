@@ -63,6 +63,7 @@ import numpy as np
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import serving  # benchmarks/serving.py, beside this script: its health wait
 from proto.lookahead.v1 import lookahead_pb2 as pb
 from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 
@@ -468,20 +469,10 @@ class Server:
 
 
 async def wait_healthy(channel: grpc.aio.Channel, server: Server, timeout_s: float) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.proc.poll() is not None:
-            raise SystemExit(f"the server exited with code {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=2)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the server was not healthy after {timeout_s:.0f} s:\n{server.log_tail()}")
-        await asyncio.sleep(0.5)
+    try:
+        await serving.wait_healthy(channel, server.proc, timeout_s)
+    except SystemExit as e:
+        raise SystemExit(f"{e}:\n{server.log_tail()}") from None
 
 
 async def settle(server: Server, kv_target: float | None, timeout_s: float, quiet_s: float,

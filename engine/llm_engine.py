@@ -185,12 +185,14 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (KV cache too small?)")
             return outputs
         try:
-            return outputs + self._run(sched_out)
-        except Exception as e:
+            self._run(sched_out, outputs)
+        except Exception as e:  # outputs keeps what was produced before the fault: those requests are done
             logger.exception("engine step failed; failing its requests")
-            return outputs + self._fail({s.req_id: describe_error(e) for s in sched_out.scheduled})
+            outputs += self._fail({s.req_id: describe_error(e) for s in sched_out.scheduled})
+        return outputs
 
-    def _run(self, sched_out) -> list[RequestOutput]:
+    def _run(self, sched_out, outputs: list[RequestOutput]) -> None:
+        """Execute a scheduled step and append its outputs to ``outputs``."""
         t0 = time.perf_counter()
         runner_out = self.runner.execute(sched_out)
         self.last_step_seconds = time.perf_counter() - t0
@@ -205,22 +207,21 @@ class LLMEngine:
         self.lookahead_chosen.update(chosen)
         if self.log_schedule:
             self._log_step(sched_out, chosen)
-        outputs = self._fail(runner_out.failed)
+        outputs += self._fail(runner_out.failed)
         for req in self.scheduler.update_from_output(sched_out, runner_out):
             tracked = self._tracked[req.request_id]
             try:
                 tracked.detok.update(req.output_token_ids, req.status.finished)
+                if tracked.detok.stopped_by is not None and not req.status.finished:
+                    self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by)
+                elif tracked.detok.stopped_by is not None and req.status == RequestStatus.FINISHED_LENGTH:
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by
             except Exception as e:
                 logger.exception("detokenizing failed for request %s", req.request_id)
                 self.scheduler.fail_requests({req.request_id: describe_error(e)})
-            if tracked.detok.stopped_by is not None and not req.status.finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by)
-            elif tracked.detok.stopped_by is not None and req.status == RequestStatus.FINISHED_LENGTH:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tracked.detok.stopped_by
             outputs.append(self._output(tracked))
             if req.status.finished:
                 del self._tracked[req.request_id]
-        return outputs
 
     def _fail(self, errors: dict[str, str]) -> list[RequestOutput]:
         """End these requests with their errors; their final outputs."""
