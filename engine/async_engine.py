@@ -192,13 +192,12 @@ class AsyncLLMEngine:
             self._wake.wait()
             with self._locked():
                 self._run_queued()
-                with self._state:
-                    if self._stopping and not self._streams and not self._queued:
-                        return
-                    if not self.engine.has_unfinished_requests() and not self._queued:
-                        self._wake.clear()  # under _state: work queued from now on sets it again
-                        continue
                 if not self.engine.has_unfinished_requests():
+                    with self._state:
+                        if self._stopping and not self._streams and not self._queued:
+                            return
+                        if not self._queued:
+                            self._wake.clear()  # under _state: work queued from now on sets it again
                     continue
                 try:
                     outputs = self.engine.step()

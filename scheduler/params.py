@@ -17,9 +17,14 @@ MAX_STOP_TOKEN_IDS = 256
 _SEED_RANGE = (-(1 << 63), 1 << 64)
 
 
+def _is_int(value) -> bool:
+    """An int that is not a bool (True is an int to Python, never a count or an id here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_real(value) -> bool:
     """A finite int or float (not a bool): NaN and infinities pass no comparison test reliably."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,7 @@ class LookaheadParams:
     def __post_init__(self) -> None:
         for name in ("window_size", "ngram_size", "verification_set_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not _is_int(value) or value < 0:
                 raise ValueError(f"lookahead.{name} must be a non-negative int, got {value!r}")
         if self.is_plain:
             return
@@ -98,15 +103,13 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or positive, got {self.top_k!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]
-        ):
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]):
             raise ValueError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
@@ -121,7 +124,7 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+        if any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")

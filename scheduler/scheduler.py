@@ -167,16 +167,13 @@ class Scheduler:
             req.stop_reason = stop_reason
             self._finish(req, status)
 
-    def fail_requests(self, errors: dict[str, str]) -> list[Request]:
+    def fail_requests(self, errors: dict[str, str]) -> None:
         """End requests whose part of a step raised, with FINISHED_ERROR; their blocks are freed."""
-        failed = []
         for req_id, message in errors.items():
             req = self.requests.get(req_id)
             if req is not None and not req.status.finished:
                 req.error = message
                 self._finish(req, RequestStatus.FINISHED_ERROR)
-                failed.append(req)
-        return failed
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -257,8 +254,7 @@ class Scheduler:
                     updated.append(req)
             except Exception as e:  # a fault in one request's bookkeeping ends that request alone
                 logger.exception("request %s failed while updating from the step", req.request_id)
-                req.error = describe_error(e)
-                self._finish(req, RequestStatus.FINISHED_ERROR)
+                self.fail_requests({req.request_id: describe_error(e)})
                 updated.append(req)
         return updated
 
