@@ -10,15 +10,17 @@ import time
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype; auto = float32 on CPU (default: %(default)s)")
+                   help="weights and KV cache dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(avx512_bf16 or AMX), else float32 (default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token cap (default: the model's)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size (default: %(default)s)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa"],
-                   help="auto = sdpa on CPU; torch = the log-sum-exp split reference (default: %(default)s)")
-    p.add_argument("--lookahead-policy", default="fixed", choices=["fixed", "adaptive"],
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa", "invariant"],
+                   help="auto = invariant in bfloat16/float16 (a token's bits never depend on its batch), sdpa in "
+                        "float32; torch = the log-sum-exp split reference (default: %(default)s)")
+    p.add_argument("--lookahead-policy", default="adaptive", choices=["fixed", "adaptive"],
                    help="fixed: every request runs its (W,N,G); adaptive: each step picks (w,n,g) up to it from a "
-                        "step-cost model profiled at start-up (default: %(default)s)")
+                        "step-cost model profiled once per machine and cached (default: %(default)s)")
     p.add_argument("--lookahead-objective", choices=["throughput", "makespan"], default=None,
                    help="what the adaptive policy maximises: throughput (tokens per second; the default for serve) "
                         "or makespan (the whole batch done soonest; the default for generate)")

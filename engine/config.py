@@ -21,7 +21,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     """model: None for the embedded default (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file.
-    dtype: "auto" is float32 on CPU and bfloat16 on GPU. max_model_len: None takes the model's own limit.
+    dtype: "auto" is bfloat16 where the hardware computes it natively (any CUDA GPU; a CPU with
+    avx512_bf16 or AMX) and float32 elsewhere (resolve_dtype). max_model_len: None takes the model's own limit.
     attention_backend: "auto" picks by device (engine.attention), or name one.
     """
 
@@ -75,4 +76,17 @@ class EngineConfig:
 
 def default_scheduler_config(**overrides) -> SchedulerConfig:
     overrides.setdefault("lookahead", LookaheadConfig(default=DEFAULT_LOOKAHEAD))
+    overrides.setdefault("lookahead_policy", "adaptive")
     return SchedulerConfig(**overrides)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto" -> "bfloat16" on CUDA and on CPUs with native bf16 arithmetic (oneDNN's check: avx512_bf16 or
+    AMX), else "float32": without it, CPU bf16 GEMMs run a scalar-ish fallback several times slower."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return "bfloat16"
+    import torch
+
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"

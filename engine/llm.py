@@ -16,9 +16,9 @@ class LLM:
     model: None for the embedded SmolLM2-135M-Instruct, else a Hugging Face folder or a .gguf file.
     lookahead: the engine's default for requests whose SamplingParams.lookahead is None;
     max_lookahead: the largest (window_size, ngram_size, verification_set_size) a request may ask for.
-    lookahead_policy: "fixed" runs each request's (W, N, G) as asked; "adaptive" treats it as the request's
-    maximum and chooses (w, n, g) each step from a step-cost model (step_cost_model, else measured at
-    start-up) and each request's acceptance. lookahead_objective: what the adaptive policy maximises --
+    lookahead_policy: "adaptive" (the default) treats each request's (W, N, G) as its maximum and chooses
+    (w, n, g) each step from a step-cost model (step_cost_model, else measured once per machine, model,
+    dtype and backend, and cached on disk) and each request's acceptance; "fixed" runs (W, N, G) as asked. lookahead_objective: what the adaptive policy maximises --
     "makespan" (the default here: ``generate`` returns when its last prompt finishes, so while nothing
     waits a token counts by the chance that its request would finish last) or "throughput" (every token
     alike: the most tokens per second, the servers' choice). log_schedule: log each step's decisions.
@@ -42,7 +42,7 @@ class LLM:
         max_num_seqs: int = 64,
         lookahead: LookaheadParams = DEFAULT_LOOKAHEAD,
         max_lookahead: tuple[int, int, int] = (16, 8, 16),
-        lookahead_policy: str = "fixed",
+        lookahead_policy: str = "adaptive",
         lookahead_objective: str = "makespan",
         step_cost_model=None,
         log_schedule: bool = False,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.attention import get_backend
-from engine.config import EngineConfig, default_scheduler_config
+from engine.config import EngineConfig, default_scheduler_config, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import cache_root, load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -58,7 +58,7 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.device = torch.device(mc.device)
-        self.dtype = torch.float32 if mc.dtype == "auto" and self.device.type == "cpu" else _DTYPES.get(mc.dtype, torch.bfloat16)
+        self.dtype = _DTYPES[resolve_dtype(mc.dtype, mc.device)]
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         max_model_len = mc.max_model_len or model_max
@@ -67,7 +67,7 @@ class LLMEngine:
         sched_cfg = replace(config.scheduler or default_scheduler_config(), max_model_len=max_model_len)
 
         torch.manual_seed(mc.seed)
-        backend = get_backend(mc.attention_backend, mc.device)
+        backend = get_backend(mc.attention_backend, mc.device, self.dtype)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
             model = LlamaForCausalLM(self.hf_config, backend, max_model_len)
         model = model.to_empty(device=self.device)

@@ -9,6 +9,7 @@ are committed to the cache, from the step's own keys and values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -114,9 +115,20 @@ def build_step_inputs(segs: list[ScheduledRequest], block_size: int, device: tor
         other_segs=other_segs,
         prefix_slots=prefix_slots,
         seg_masks=seg_masks,
+        positions=positions,
     )
     input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in segs), np.int64, num_tokens)
     return StepInputs(input_ids, positions, meta, table)
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 class ModelRunner:
@@ -132,6 +144,10 @@ class ModelRunner:
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
+        # bfloat16 / float16 on CPU: ATen's own GEMM, one float32 dot product per output, so a row's bits do
+        # not depend on how many rows share the call. oneDNN (taken on avx512_bf16 / AMX CPUs) picks its
+        # blocking by shape. A no-op where oneDNN would not take the GEMM anyway (docs/batch-invariance.md).
+        self._kernels = _without_onednn if device.type == "cpu" and dtype != torch.float32 else contextlib.nullcontext
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -166,6 +182,10 @@ class ModelRunner:
         )
 
     def _execute(self, segs: list[ScheduledRequest]) -> ModelRunnerOutput:
+        with self._kernels():
+            return self._execute_step(segs)
+
+    def _execute_step(self, segs: list[ScheduledRequest]) -> ModelRunnerOutput:
         inputs = build_step_inputs(segs, self.block_size, self.device)
         has_lookahead = any(s.lookahead is not None for s in segs)
         step_kv: list | None = [] if has_lookahead else None
@@ -259,7 +279,9 @@ class ModelRunner:
                 torch.full((n,), seg.top_k),
                 torch.full((n,), seg.top_p),
             ).cpu()
-            verdict = verify_sampling(probs[0], candidates, probs[1:].view(g, m, probs.shape[-1]), self.sampler.generator(seg))
+            # x sits at start_pos: the token drawn ``depth`` places after its successor is at start_pos + 1 + depth
+            verdict = verify_sampling(probs[0], candidates, probs[1:].view(g, m, probs.shape[-1]),
+                                      lambda p, depth: self.sampler.draw_at(p, seg, seg.start_pos + 1 + depth))
         return verdict, window
 
     def _commit(self, segs, inputs: StepInputs, commits, step_kv) -> None:

@@ -1,4 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeded generators.
+"""Token sampling: greedy, temperature, top-k, top-p, with randomness keyed by request and position.
+
+The token at position t of a request is drawn with a generator seeded from (the request's seed, t): the
+same draw whether the token comes from a plain step or a lookahead verification, alone or in any batch, so
+a seeded request's output does not depend on lookahead or the server's load. Requests without a seed get
+one from the engine's generator when they first sample.
 
 ``processed_probs`` is the distribution a token is really drawn from (temperature, top-k and top-p
 applied); lossless speculative verification must accept or reject against exactly this distribution.
@@ -34,22 +39,30 @@ def processed_probs(
     return torch.softmax(filtered, dim=-1)
 
 
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: (seed, position) -> distinct generator seeds
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._default = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}  # requests without a seed: the one drawn for them
 
-    def generator(self, seg: ScheduledRequest) -> torch.Generator:
-        if seg.seed is None:
-            return self._default
-        gen = self._generators.get(seg.req_id)
-        if gen is None:
-            gen = self._generators[seg.req_id] = torch.Generator().manual_seed(seg.seed)
-        return gen
+    def _seed(self, seg: ScheduledRequest) -> int:
+        if seg.seed is not None:
+            return seg.seed
+        seed = self._seeds.get(seg.req_id)
+        if seed is None:
+            seed = self._seeds[seg.req_id] = int(torch.randint(0, 2**62, (), generator=self._default))
+        return seed
 
     def forget(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
-            self._generators.pop(req_id, None)
+            self._seeds.pop(req_id, None)
+
+    def draw_at(self, probs: torch.Tensor, seg: ScheduledRequest, position: int) -> int:
+        """The token at ``position`` of ``seg``'s request, from ``probs`` ([vocab])."""
+        key = (self._seed(seg) * _MIX + position) % 2**63
+        return int(torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(key)))
 
     def sample(self, logits: torch.Tensor, segs: list[ScheduledRequest]) -> tuple[list[int], dict[str, str]]:
         """One token per row of ``logits`` ([n, vocab]), row i for ``segs[i]``; and the requests whose draw
@@ -68,7 +81,7 @@ class Sampler:
         for k, (row, seg) in enumerate(zip(rows, sub, strict=True)):
             try:
                 p = probs[k] if probs is not None else self._probs(logits[row : row + 1], [seg])[0]
-                tokens[row] = self.draw(p, seg)
+                tokens[row] = self.draw_at(p, seg, seg.start_pos + len(seg.token_ids))
             except Exception as e:
                 tokens[row] = -1
                 failed[seg.req_id] = describe_error(e)
@@ -83,6 +96,3 @@ class Sampler:
             torch.tensor([s.top_p for s in segs]),
         ).cpu()
 
-    def draw(self, probs: torch.Tensor, seg: ScheduledRequest) -> int:
-        """One token from ``probs`` ([vocab]) with the request's generator."""
-        return int(torch.multinomial(probs, 1, generator=self.generator(seg)))

@@ -1,4 +1,4 @@
-"""Lossless verification of lookahead candidates: greedy longest prefix, and multi-candidate rejection.
+"""Lossless verification of lookahead candidates: the longest candidate prefix the model itself would emit.
 
 Candidates are one-hot drafts of ``m`` tokens that all follow the newest token x. The result is the
 list of output tokens (matched candidate tokens, then one token from the model) and which candidate's
@@ -11,6 +11,7 @@ argmax after (x, 7) is 5. Candidate 0 matches one token, candidate 1 both, so th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,44 +44,28 @@ def verify_sampling(
     x_probs: torch.Tensor,  # [vocab] processed distribution after x
     candidates: list[list[int]],
     cand_probs: torch.Tensor,  # [g, m, vocab] processed distribution after each candidate token
-    generator: torch.Generator | None,
+    draw: Callable[[torch.Tensor, int], int],
 ) -> Verdict:
-    """Multi-candidate rejection sampling with one-hot drafts: the output has the model's distribution.
+    """Match verification: the token at each depth is drawn as plain decoding would draw it, and a
+    candidate token is accepted when it equals that draw.
 
-    At each depth the distinct tokens proposed by the candidates still alive are tried in turn: token t is
-    accepted with probability p(t) under the current residual p; on rejection p(t) is set to 0 and p is
-    renormalised. If all are rejected, the token is drawn from the residual and the walk ends. A fully
-    accepted candidate earns one more token drawn from the distribution after its last token.
+    ``draw(probs, depth)`` samples the token ``depth`` places after x's successor with the randomness plain
+    decoding uses for that position (engine.sampler: keyed by the request's seed and the position), so the
+    output is the one plain sampling gives, whatever lookahead ran. With one-hot drafts this accepts as
+    often as multi-candidate rejection sampling: at each depth, with the probability of the set of tokens
+    the live candidates propose. Candidates sharing a prefix share its draws.
     """
-    alive = list(range(len(candidates)))
-    probs = x_probs.double()
-    tokens: list[int] = []
-    chosen_j, depth = -1, 0
-    m = len(candidates[0]) if candidates else 0
-    while depth < m and alive:
-        residual = probs.clone()
-        accepted = None
-        tried: set[int] = set()
-        for j in alive:
-            t = candidates[j][depth]
-            if t in tried:
-                continue
-            tried.add(t)
-            total = float(residual.sum())
-            if total <= 0:
-                break
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
-            if u < float(residual[t]) / total:
-                accepted = t
-                break
-            residual[t] = 0.0
-        if accepted is None:
-            tokens.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
-            return Verdict(tokens, chosen_j, depth)
-        tokens.append(accepted)
-        alive = [j for j in alive if candidates[j][depth] == accepted]
-        chosen_j = alive[0]
-        probs = cand_probs[chosen_j, depth].double()
-        depth += 1
-    tokens.append(int(torch.multinomial(probs / probs.sum(), 1, generator=generator)))
-    return Verdict(tokens, chosen_j, depth)
+    first = draw(x_probs, 0)
+    drawn: dict[tuple[int, ...], int] = {(): first}
+    best = Verdict([first], -1, 0)
+    for j, cand in enumerate(candidates):
+        k, expected = 0, first
+        while k < len(cand) and cand[k] == expected:
+            prefix = tuple(cand[: k + 1])
+            if prefix not in drawn:
+                drawn[prefix] = draw(cand_probs[j, k], k + 1)
+            expected = drawn[prefix]
+            k += 1
+        if k > best.num_matched:
+            best = Verdict(list(cand[:k]) + [expected], j, k)
+    return best

@@ -3,24 +3,30 @@
 * ``torch``: the reference -- plain torch over the paged cache, lookahead segments by the prefix / tree
   split merged by log-sum-exp (the semantics every backend must match);
 * ``sdpa``: the reference with lookahead segments in fused ``scaled_dot_product_attention`` calls, all of a
-  step's segments in one padded call.
+  step's segments in one padded call;
+* ``invariant``: every segment kind through one arithmetic, so a query's output does not depend on what
+  else shares its step (bfloat16 / float16: greedy lookahead equals plain decoding bit for bit).
 """
 
+import torch
+
 from engine.attention.backend import AttentionBackend, AttentionMetadata, merge_attention
+from engine.attention.invariant import InvariantBackend
 from engine.attention.sdpa import SDPABackend
 from engine.attention.torch_ref import TorchReferenceBackend
 
-BACKENDS = {"torch": TorchReferenceBackend, "sdpa": SDPABackend}
+BACKENDS = {"torch": TorchReferenceBackend, "sdpa": SDPABackend, "invariant": InvariantBackend}
 
 
-def get_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
+def get_backend(name: str = "auto", device: str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionBackend:
     if name == "auto":
-        # CPU: sdpa, which steps with lookahead segments faster than the reference (benchmarks/RESULTS.md)
-        name = "sdpa"
+        # bfloat16 / float16: invariant, so lookahead never changes a greedy token. float32: sdpa, the fastest
+        # measured (benchmarks/RESULTS.md); float32 is exact against Hugging Face, not bitwise shape-invariant.
+        name = "sdpa" if dtype == torch.float32 else "invariant"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
     return BACKENDS[name]()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "SDPABackend", "TorchReferenceBackend", "get_backend",
+__all__ = ["AttentionBackend", "AttentionMetadata", "InvariantBackend", "SDPABackend", "TorchReferenceBackend", "get_backend",
            "merge_attention"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -41,6 +42,7 @@ class AttentionMetadata:
     other_segs: list[int]  # segments of several tokens, run one by one
     prefix_slots: list[torch.Tensor | None]  # per segment: slots of its cached prefix (None if empty)
     seg_masks: list[torch.Tensor | None]  # per segment: in-step tree mask [q, q] (None = causal, written)
+    positions: np.ndarray | None = None  # [num_tokens] absolute position of each token, on the host
     # What a backend derives from the above once per step and reuses in every layer.
     backend_cache: dict = field(default_factory=dict, repr=False)
 

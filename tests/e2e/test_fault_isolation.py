@@ -51,7 +51,8 @@ def _run(engine: AsyncLLMEngine, requests):
 
 @pytest.fixture(scope="module")
 def served(tiny_llama):
-    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=96, max_num_batched_tokens=256, max_model_len=256)
+    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=96, max_num_batched_tokens=256, max_model_len=256,
+              lookahead_policy="fixed")
     engine = AsyncLLMEngine(llm.engine)
     expected = _run(engine, [(p, _params(i)) for i, p in enumerate(PROMPTS)])
     assert all(isinstance(ids, list) and len(ids) == 24 for ids in expected)

@@ -38,7 +38,8 @@ def test_mixed_lookahead_batch_with_preemption_matches_hf(tiny_llama):
                LookaheadParams(15, 5, 15), LookaheadParams(3, 4, 2), LookaheadParams(0, 3, 4), LookaheadParams(0, 5, 10)]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=configs[i % len(configs)]) for i in range(18)]
     # 40 blocks of 8 slots for 18 requests of up to ~140 tokens: preemption is forced.
-    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=40, max_num_batched_tokens=256, max_num_seqs=18)
+    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=40, max_num_batched_tokens=256, max_num_seqs=18,
+              lookahead_policy="fixed")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.scheduler.num_preemptions > 0
@@ -51,7 +52,7 @@ def test_mixed_lookahead_batch_with_preemption_matches_hf(tiny_llama):
 
 
 def test_abort_mid_lookahead_frees_every_block(tiny_llama):
-    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=64)
+    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=64, lookahead_policy="fixed")
     eng = llm.engine
     for p in _repetitive_prompts(6, 96, seed=4):
         eng.add_request({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=200, lookahead=LookaheadParams(5, 4, 5)))
@@ -65,7 +66,7 @@ def test_abort_mid_lookahead_frees_every_block(tiny_llama):
 
 def test_commit_writes_exactly_the_accepted_slots(tiny_llama):
     """A lookahead step writes x and the matched candidate tokens, at their slots, with the right K/V."""
-    llm = LLM(tiny_llama, block_size=4, num_kv_blocks=16, enable_prefix_caching=False)
+    llm = LLM(tiny_llama, block_size=4, num_kv_blocks=16, enable_prefix_caching=False, lookahead_policy="fixed")
     runner = llm.engine.runner
     prompt = [5, 17, 33, 2, 9, 40]
     greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, lookahead=PLAIN))
@@ -83,7 +84,8 @@ def test_commit_writes_exactly_the_accepted_slots(tiny_llama):
     assert out.sampled_token_ids[0] == cont[1:4]
     written = {blocks[pos // 4] * 4 + pos % 4 for pos in range(p, p + 3)}  # x, cont[1], cont[2]
     # The same K/V that a plain prefill of the whole sequence writes.
-    ref = LLM(tiny_llama, block_size=4, num_kv_blocks=16, enable_prefix_caching=False).engine.runner
+    ref = LLM(tiny_llama, block_size=4, num_kv_blocks=16, enable_prefix_caching=False,
+              lookahead_policy="fixed").engine.runner
     ref.execute(SchedulerOutput([ScheduledRequest("r", prompt + cont[:3], 0, blocks, sample=True)], p + 3))
     for layer, (old, new, want) in enumerate(zip(before, runner.kv_caches, ref.kv_caches, strict=True)):
         changed = {int(s) for s in torch.nonzero((old != new).any(dim=-1).any(dim=-1).any(dim=0)).flatten()}
@@ -118,7 +120,8 @@ def _same_distribution(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def sampling_setup(tiny_llama):
     rng = random.Random(7)
-    llm = LLM(tiny_llama, block_size=16, max_num_seqs=400, max_num_batched_tokens=8192, max_model_len=400)
+    llm = LLM(tiny_llama, block_size=16, max_num_seqs=400, max_num_batched_tokens=8192, max_model_len=400,
+              lookahead_policy="fixed")
     # The prompt ends with the model's own greedy text, so the pool holds n-grams the model likes and
     # sampled continuations often match a candidate: verification really decides many tokens.
     seed = [rng.randrange(96) for _ in range(8)]
@@ -144,7 +147,7 @@ def test_sampling_distribution_unchanged_by_lookahead(sampling_setup):
 def test_broken_verifier_is_caught(sampling_setup, monkeypatch):
     """Accepting any candidate token the model does not rule out shifts the distribution: the test sees it."""
 
-    def accept_if_possible(x_probs, candidates, cand_probs, generator):
+    def accept_if_possible(x_probs, candidates, cand_probs, draw):
         tokens, probs, j_best = [], x_probs, -1
         for d in range(len(candidates[0]) if candidates else 0):
             live = [j for j, c in enumerate(candidates) if probs[c[d]] > 0 and all(c[:d][i] == tokens[i] for i in range(d))]
@@ -153,7 +156,7 @@ def test_broken_verifier_is_caught(sampling_setup, monkeypatch):
             j_best = live[0]
             tokens.append(candidates[j_best][d])
             probs = cand_probs[j_best, d]
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+        tokens.append(draw(probs, len(tokens)))
         return Verdict(tokens, j_best, len(tokens) - 1)
 
     llm, prompt, off = sampling_setup
@@ -171,7 +174,7 @@ CHAT = ["Write a short story about a robot who learns to paint.", "Explain how a
 
 @pytest.mark.slow
 def test_default_model_lookahead_equals_plain_equals_hf(default_model_path):
-    llm = LLM(max_num_batched_tokens=2048)
+    llm = LLM(max_num_batched_tokens=2048, lookahead_policy="fixed")
     prompts = [llm.engine.apply_chat_template([{"role": "user", "content": m}]) for m in CHAT] + CODE_PROMPTS
     expected = hf_greedy(default_model_path, [llm.tokenizer(p).input_ids for p in prompts], 64)
     for la in (PLAIN, LookaheadParams(15, 5, 15), LookaheadParams(5, 3, 5), LookaheadParams(4, 3, 4),
@@ -211,7 +214,7 @@ def test_changing_lookahead_shape_every_step_stays_lossless(tiny_llama):
     max_tokens = 40
     expected = hf_greedy(tiny_llama, prompts, max_tokens)
     llm = LLM(tiny_llama, block_size=8, num_kv_blocks=48, max_num_batched_tokens=512, max_num_seqs=16,
-              lookahead=LookaheadParams(15, 5, 15))
+              lookahead=LookaheadParams(15, 5, 15), lookahead_policy="fixed")
     llm.engine.scheduler.policy = _RandomRungs(0)
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=None if i % 4 else PLAIN) for i in range(16)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -262,7 +265,7 @@ def test_schedule_metrics_are_exported(tiny_llama):
 
     from proto.metrics import ServerMetrics
 
-    llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5))
+    llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5), lookahead_policy="fixed")
     metrics = ServerMetrics(llm.engine)
     llm.generate({"prompt_token_ids": _repetitive_prompts(1, 96, seed=8)[0]}, SamplingParams(temperature=0, max_tokens=12))
     text = generate_latest(metrics.registry).decode()

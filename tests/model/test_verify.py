@@ -31,12 +31,18 @@ def _onehot(vocab: int, token: int) -> torch.Tensor:
     return p
 
 
+def _draws(seed: int):
+    """Independent draws from one generator, as ``verify_sampling`` takes them."""
+    gen = torch.Generator().manual_seed(seed)
+    return lambda probs, depth: int(torch.multinomial(probs, 1, generator=gen))
+
+
 def test_sampling_certain_tokens_accept_whole_candidate():
     vocab = 5
     x_probs = _onehot(vocab, 2)
     cands = [[1, 1], [2, 3]]
     cand_probs = torch.stack([torch.stack([_onehot(vocab, 0)] * 2), torch.stack([_onehot(vocab, 3), _onehot(vocab, 4)])])
-    v = verify_sampling(x_probs, cands, cand_probs, torch.Generator().manual_seed(0))
+    v = verify_sampling(x_probs, cands, cand_probs, _draws(0))
     assert (v.tokens, v.candidate, v.num_matched) == ([2, 3, 4], 1, 2)
 
 
@@ -46,7 +52,7 @@ def test_sampling_impossible_candidates_are_rejected():
     cands = [[0, 1], [3, 1]]  # both first tokens have probability 0
     cand_probs = torch.full((2, 2, vocab), 0.25)
     for seed in range(20):
-        v = verify_sampling(x_probs, cands, cand_probs, torch.Generator().manual_seed(seed))
+        v = verify_sampling(x_probs, cands, cand_probs, _draws(seed))
         assert v.num_matched == 0 and v.tokens[0] in (1, 2) and len(v.tokens) == 1
 
 
@@ -56,11 +62,11 @@ def test_sampling_first_token_keeps_the_distribution(cands):
     vocab = 4
     p = torch.tensor([0.1, 0.5, 0.3, 0.1])
     cand_probs = torch.full((len(cands), 2, vocab), 0.25)
-    gen = torch.Generator().manual_seed(1)
+    draw = _draws(1)
     n = 4000
     counts = torch.zeros(vocab)
     for _ in range(n):
-        counts[verify_sampling(p, cands, cand_probs, gen).tokens[0]] += 1
+        counts[verify_sampling(p, cands, cand_probs, draw).tokens[0]] += 1
     assert chisquare(counts.numpy(), (p * n).numpy()).pvalue > 1e-3
 
 
@@ -71,11 +77,11 @@ def test_sampling_second_token_keeps_the_distribution():
     after = torch.tensor([[0.2, 0.2, 0.6], [0.5, 0.25, 0.25]])  # p(next | first = 0), p(next | first = 1)
     cands = [[0, 2], [1, 0]]
     cand_probs = torch.stack([torch.stack([after[0], after[0]]), torch.stack([after[1], after[1]])])
-    gen = torch.Generator().manual_seed(2)
+    draw = _draws(2)
     n = 6000
     joint = torch.zeros(vocab, vocab)
     for _ in range(n):
-        t = verify_sampling(p0, cands, cand_probs, gen).tokens
+        t = verify_sampling(p0, cands, cand_probs, draw).tokens
         joint[t[0], t[1]] += 1
     expected = (p0[:, None] * torch.cat([after, torch.full((1, vocab), 1 / 3)])).flatten() * n
     keep = expected > 0

@@ -1,0 +1,228 @@
+"""Shape invariance in bfloat16 on the real model: a token's bits do not depend on what shares its step.
+
+Layer level: every linear, the norms and rotary give a row the same bits for M = 1..64 rows. Attention: a
+token's logits are the same whether it is a plain decode (alone or in a batch), the last token of a prefill
+chunk, the root of a lookahead segment (alone, beside another segment, beside a decode, verification only)
+or an accepted candidate. End to end: greedy lookahead (fixed configurations, the adaptive policy, a random
+policy, with preemption) equals lookahead off token for token, and a request alone equals it in a batch.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, LookaheadParams, SamplingParams
+from engine.model_runner import _without_onednn, build_step_inputs
+from scheduler import ScheduledRequest
+from scheduler.cost import StepCostModel
+from scheduler.lookahead import LookaheadLayout
+from scheduler.policy import Decision, _set_rung
+
+OFF = LookaheadParams(enabled=False)
+BLOCKS_PER_REQ = 24  # 384 slots of 16: enough for every prompt below and its output
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(default_model_path):
+    return LLM(default_model_path, dtype="bfloat16", lookahead_policy="fixed", num_kv_blocks=16 * BLOCKS_PER_REQ,
+               enable_prefix_caching=False)
+
+
+def test_auto_backend_is_invariant_in_reduced_precision(bf16_llm):
+    assert bf16_llm.engine.model.model.layers[0].self_attn.backend.name == "invariant"
+
+
+@torch.inference_mode()
+def test_linears_norms_rotary_are_row_invariant(bf16_llm):
+    model = bf16_llm.engine.model
+    layer = model.model.layers[0]
+    gen = torch.Generator().manual_seed(0)
+    linears = {name: mod for name, mod in layer.named_modules() if isinstance(mod, torch.nn.Linear)}
+    assert len(linears) >= 5  # q, k, v, o (or fused) and the MLP's
+    with _without_onednn():
+        for name, lin in [*linears.items(), ("output layer", model.compute_logits)]:
+            x = torch.randn(64, model.config.hidden_size if name == "output layer" else lin.in_features,
+                            generator=gen).to(torch.bfloat16)
+            alone = torch.cat([lin(x[i : i + 1]) for i in range(64)])
+            sizes = range(1, 65) if name != "output layer" else [*range(1, 17), 24, 31, 32, 48, 64]
+            bad = [m for m in sizes if not torch.equal(lin(x[:m]), alone[:m])]
+            assert not bad, f"{name}: rows differ at M = {bad}"
+        h = torch.randn(64, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
+            alone = torch.cat([norm(h[i : i + 1]) for i in range(64)])
+            assert all(torch.equal(norm(h[:m]), alone[:m]) for m in range(1, 65))
+        positions = torch.randint(0, 300, (64,), generator=gen)
+        cos, sin = model.model.rotary(positions, torch.bfloat16)
+        cos1 = torch.cat([model.model.rotary(positions[i : i + 1], torch.bfloat16)[0] for i in range(64)])
+        assert torch.equal(cos, cos1)
+
+
+class _Steps:
+    """Hand-made steps on the engine's runner: request r owns blocks [r * BLOCKS_PER_REQ, ...)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.runner = llm.engine.runner
+        self.model = llm.engine.model
+        self.saved = [c.clone() for c in self.runner.kv_caches]
+
+    def reset(self) -> None:
+        for c, s in zip(self.runner.kv_caches, self.saved, strict=True):
+            c.copy_(s)
+
+    @staticmethod
+    def seg(r: int, tokens: list[int], start: int, layout: LookaheadLayout | None = None) -> ScheduledRequest:
+        blocks = list(range(r * BLOCKS_PER_REQ, (r + 1) * BLOCKS_PER_REQ))
+        return ScheduledRequest(str(r), list(tokens), start, blocks, True, lookahead=layout)
+
+    @torch.inference_mode()
+    def logits(self, segs: list[ScheduledRequest]) -> tuple[torch.Tensor, list[int]]:
+        """Every token's logits, and each segment's first token index."""
+        inp = build_step_inputs(segs, self.runner.block_size, self.runner.device)
+        with _without_onednn():
+            hidden = self.model(torch.from_numpy(inp.input_ids), torch.from_numpy(inp.positions),
+                                self.runner.kv_caches, inp.meta, [] if any(s.lookahead for s in segs) else None)
+            return self.model.compute_logits(hidden), inp.meta.query_start_loc
+
+
+def test_attention_gives_a_token_the_same_bits_in_every_segment_kind(bf16_llm):
+    steps = _Steps(bf16_llm)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(40 + 9 * r)] for r in range(8)]
+    for r, p in enumerate(prompts):  # fill the caches, then keep a copy to restore between cases
+        steps.logits([steps.seg(r, p, 0)])
+    steps.saved = [c.clone() for c in steps.runner.kv_caches]
+    P, x, y = len(prompts[0]), 1234, 4321
+    cases: dict[str, torch.Tensor] = {}
+
+    def run(name, segs, row):
+        steps.reset()
+        logits, starts = steps.logits(segs)
+        cases[name] = logits[row(starts)].clone()
+
+    run("decode alone", [steps.seg(0, [x], P)], lambda s: 0)
+    run("decode in a batch of 8", [steps.seg(r, [x if r == 0 else 777], len(prompts[r])) for r in range(8)],
+        lambda s: 0)
+    run("decode, second of 3", [steps.seg(r, [x if r == 0 else 777], len(prompts[r])) for r in (3, 0, 5)],
+        lambda s: s[1])
+    run("last token of a prefill chunk", [steps.seg(0, prompts[0][24:] + [x], 24)], lambda s: s[1] - 1)
+    run("last token of a first prefill", [steps.seg(0, prompts[0] + [x], 0)], lambda s: s[1] - 1)
+    lay = LookaheadLayout(num_levels=4, num_cols=5, num_candidates=5, candidate_len=4)
+    window = [x] + [rng.randrange(100, 20000) for _ in range(lay.num_tokens - 1)]
+    other = [9] + [rng.randrange(100, 20000) for _ in range(lay.num_tokens - 1)]
+    run("lookahead root, alone", [steps.seg(0, window, P, lay)], lambda s: 0)
+    run("lookahead root, beside another segment", [steps.seg(0, window, P, lay),
+                                                    steps.seg(1, other, len(prompts[1]), lay)], lambda s: 0)
+    run("lookahead root, beside a decode", [steps.seg(1, [5], len(prompts[1])), steps.seg(0, window, P, lay)],
+        lambda s: s[1])
+    verify = LookaheadLayout(num_levels=0, num_cols=1, num_candidates=3, candidate_len=4)
+    cand = [x, y, 11, 12, 13] + [rng.randrange(100, 20000) for _ in range(verify.num_tokens - 5)]
+    run("verification-only root", [steps.seg(0, cand, P, verify)], lambda s: 0)
+    ref = cases["decode alone"]
+    bad = [name for name, v in cases.items() if not torch.equal(v, ref)]
+    assert not bad, f"differ from a plain decode alone: {bad}"
+
+    # an accepted candidate's logits == decoding it after committing its parent
+    steps.reset()
+    steps.logits([steps.seg(0, [x], P)])
+    decoded_y = steps.logits([steps.seg(0, [y], P + 1)])[0][0]
+    steps.reset()
+    assert torch.equal(steps.logits([steps.seg(0, cand, P, verify)])[0][1], decoded_y)
+
+
+# -- end to end -------------------------------------------------------------------------------------------
+
+CHAT = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a hash map works and when you would not use one.",
+    "List five tips for learning to play the guitar, with one sentence each.",
+    "What are the main differences between a virus and a bacterium?",
+    "Describe the water cycle to a ten-year-old.",
+    "Give me a weekly plan for a beginner who wants to run five kilometres.",
+]
+CODE = [
+    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n",
+    "def is_palindrome(text: str) -> bool:\n    \"\"\"True if text reads the same backwards, ignoring case and spaces.\"\"\"\n",
+    "class Stack:\n    \"\"\"A last-in, first-out stack backed by a list.\"\"\"\n\n    def __init__(self):\n",
+    "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "import json\n\n\ndef load_config(path):\n    \"\"\"Read a JSON config file and fill in defaults for missing keys.\"\"\"\n",
+    "def word_count(text: str) -> dict[str, int]:\n    \"\"\"Count how often each word occurs in text.\"\"\"\n",
+]
+MAX_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def prompts(bf16_llm):
+    return [bf16_llm.engine.apply_chat_template([{"role": "user", "content": q}]) for q in CHAT] + CODE
+
+
+@pytest.fixture(scope="module")
+def plain(bf16_llm, prompts):
+    """Lookahead off, all twelve prompts in one batch."""
+    outs = bf16_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, lookahead=OFF))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _greedy(configs):
+    return [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, lookahead=c) for c in configs]
+
+
+def test_alone_equals_in_a_batch(bf16_llm, prompts, plain):
+    alone = [bf16_llm.generate(p, _greedy([OFF])[0])[0].outputs[0].token_ids for p in prompts]
+    assert alone == plain
+
+
+def test_fixed_lookahead_with_preemption_equals_plain(default_model_path, prompts, plain):
+    # 52 blocks of 16 for twelve requests of up to ~230 tokens: requests are preempted and recomputed.
+    llm = LLM(default_model_path, dtype="bfloat16", lookahead_policy="fixed", num_kv_blocks=52,
+              enable_prefix_caching=False, max_num_batched_tokens=128)
+    configs = [LookaheadParams(2, 3, 2), LookaheadParams(3, 3, 1), LookaheadParams(0, 3, 3), OFF]
+    outs = llm.generate(prompts, _greedy(configs[i % len(configs)] for i in range(len(prompts))))
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert max(o.metrics.tokens_per_step for o in outs) > 1.2  # lookahead accepted tokens
+
+
+def test_adaptive_lookahead_equals_plain(bf16_llm, prompts, plain):
+    sched = bf16_llm.engine.scheduler
+    # a cost curve like bf16's on a 2-core CPU, so the policy mixes plain and lookahead steps
+    sched.cost_model = StepCostModel([1, 8, 16, 32, 64, 128], [0.04, 0.15, 0.28, 0.55, 1.1, 2.2])
+    sched.set_lookahead_policy("adaptive")
+    try:
+        outs = bf16_llm.generate(prompts, _greedy([LookaheadParams(4, 3, 4)] * len(prompts)))
+    finally:
+        sched.set_lookahead_policy("fixed")
+        sched.cost_model = None
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert max(o.metrics.tokens_per_step for o in outs) > 1.0
+
+
+class _RandomPolicy:
+    """Each request runs a random rung of its ladder, or plain decoding."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None) -> Decision:
+        decodes = len(options) if base_decodes is None else base_decodes
+        d = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
+        for r, opts in enumerate(options):
+            j = self.rng.randrange(len(opts) + 1)
+            if j < len(opts) and d.num_tokens + opts[j].num_tokens - 1 - base_tokens <= budget:
+                _set_rung(d, options, r, j)
+        return d
+
+
+def test_random_policy_equals_plain(bf16_llm, prompts, plain):
+    sched = bf16_llm.engine.scheduler
+    fixed = sched.policy
+    sched.policy = _RandomPolicy(seed=7)
+    try:
+        outs = bf16_llm.generate(prompts, _greedy([LookaheadParams(3, 3, 3)] * len(prompts)))
+    finally:
+        sched.policy = fixed
+    assert [o.outputs[0].token_ids for o in outs] == plain
