@@ -50,21 +50,25 @@ load: $(STAMP)
 	$(VENV)/bin/locust -f deploy/locustfile.py --host $(LOAD_HOST) --headless -u $(USERS) -r $(USERS) \
 		-t $(RUN_TIME) --csv benchmarks/out/load --only-summary
 
+# The stubs import themselves as lookahead_serve.proto...: the folder proto/ maps to that package.
 proto: $(STAMP)
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. $(PROTO_OUT)/lookahead.proto
+	rm -rf $(VENV)/proto-out && mkdir -p $(VENV)/proto-out
+	$(PY) -m grpc_tools.protoc -Ilookahead_serve/proto=proto --python_out=$(VENV)/proto-out \
+		--grpc_python_out=$(VENV)/proto-out --pyi_out=$(VENV)/proto-out lookahead_serve/$(PROTO_OUT)/lookahead.proto
+	cp $(VENV)/proto-out/lookahead_serve/$(PROTO_OUT)/* $(PROTO_OUT)/
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench-throughput: $(STAMP)
-	$(PY) benchmarks/throughput.py --results benchmarks/RESULTS.md
+	$(PY) benchmarks/throughput.py --results benchmarks/results/$(shell date +%F)-throughput.md
 
 bench-lookahead: $(STAMP)
-	$(PY) benchmarks/lookahead.py --results benchmarks/RESULTS.md
+	$(PY) benchmarks/lookahead.py --results benchmarks/results/$(shell date +%F)-lookahead.md
 
 # Through the gRPC server: 1, 8 and 32 streaming clients, lookahead on vs off (about 10 minutes).
 bench-serving: $(STAMP)
-	$(PY) benchmarks/serving.py --results benchmarks/RESULTS.md
+	$(PY) benchmarks/serving.py --results benchmarks/results/$(shell date +%F)-serving.md
 
 # Soak the gRPC server (its own process, default model): $(SOAK_CLIENTS) clients for $(DURATION) s of good,
 # cancelled, timed-out and bad calls; fails on an unexpected status, a KV leak, RSS growth > 5% or more threads.

@@ -6,7 +6,7 @@ CPU backend), ``--repeats`` times in alternating order across every (backend, sh
 the table gives the median milliseconds and sdpa's speedup. The steps use synthetic token ids over the
 first KV blocks, like the engine's start-up profile.
 
-    .venv/bin/python benchmarks/attention.py --dtype bfloat16 --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/attention.py --dtype bfloat16 --results benchmarks/results/DATE-NAME.md
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from engine import LLM
-from scheduler import LookaheadLayout, ScheduledRequest, SchedulerOutput
+from lookahead_serve.engine import LLM
+from lookahead_serve.kv_cache import cdiv
+from lookahead_serve.scheduler import LookaheadLayout, ScheduledRequest, SchedulerOutput
 
 
 def shapes(context: int, block_ids: list[int]) -> dict[str, list[ScheduledRequest]]:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     backends = args.backends.split(",")
     llms = {b: LLM(dtype=args.dtype, attention_backend=b, num_kv_blocks=64) for b in backends}
     block_size = llms[backends[0]].engine.runner.block_size
-    block_ids = list(range(-(-(args.context + 32) // block_size)))
+    block_ids = list(range(cdiv(args.context + 32, block_size)))
     steps = shapes(args.context, block_ids)
     outs = {k: SchedulerOutput(scheduled=v, num_scheduled_tokens=sum(len(s.token_ids) for s in v)) for k, v in steps.items()}
     cells = [(b, k) for b in backends for k in outs]

@@ -9,13 +9,13 @@ and requests with lookahead off run in turn, prompt by prompt, so both see the s
 * c=8 and c=32: that many prompts in one ``generate`` call, defaults vs off;
 * ``--maxima``: other per-request maxima for the adaptive policy, to choose the default by measurement;
 * ``--invariance``: the cost of shape invariance in bfloat16 -- the ``invariant`` backend (the bf16
-  default) against ``sdpa`` (not invariant) at c=1, with the default lookahead -- and whether lookahead
-  equals plain decoding token for token on each.
+  default) against ``sdpa`` (not invariant) at c=1, lookahead off and fixed at the default (W, N, G), so
+  both run the same steps -- and whether lookahead equals plain decoding token for token on each.
 
 Every row reports tokens/s (generated tokens over wall-clock, summed over the prompts of a set) and the
 ratio to lookahead off measured in the same round; the spread is over ``--rounds`` rounds.
 
-    .venv/bin/python benchmarks/defaults.py --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/defaults.py --results benchmarks/results/DATE-NAME.md
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from engine import LLM, LookaheadParams, SamplingParams
-from engine.config import DEFAULT_LOOKAHEAD
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.scheduler.config import DEFAULT_LOOKAHEAD
 from lookahead import DATA, OFF, _emit, _header, load_prompts, log, parse_configs
 
 
@@ -129,10 +129,10 @@ def batch_study(args, llm: LLM, sets: dict[str, list[str]], raw: dict) -> list[s
 
 
 def invariance_study(args, sets: dict[str, list[str]], raw: dict) -> list[str]:
-    """bf16 at c=1: invariant (the bf16 default) vs sdpa, lookahead on (default max) and off, interleaved."""
-    llms = {b: LLM(dtype="bfloat16", attention_backend=b) for b in ("invariant", "sdpa")}
+    """bf16 at c=1: invariant (the bf16 default) vs sdpa, lookahead off and fixed at the default, interleaved."""
+    llms = {b: LLM(dtype="bfloat16", attention_backend=b, lookahead_policy="fixed") for b in ("invariant", "sdpa")}
     prompts = [p for pair in zip(*sets.values()) for p in pair][: args.num_invariance]
-    keys = [(b, m) for b in llms for m in ("lookahead off", "defaults")]
+    keys = [(b, m) for b in llms for m in ("lookahead off", "fixed default")]
     tokens = {k: [0] * args.rounds for k in keys}
     seconds = {k: [0.0] * args.rounds for k in keys}
     outs: dict = {}
@@ -148,14 +148,14 @@ def invariance_study(args, sets: dict[str, list[str]], raw: dict) -> list[str]:
                                                              tokens=len(out[0]), seconds=dt))
             log(f"invariance round {rnd} prompt {i} done")
     rows = []
-    for m in ("lookahead off", "defaults"):
+    for m in ("lookahead off", "fixed default"):
         rates = {b: [t / s for t, s in zip(tokens[(b, m)], seconds[(b, m)], strict=True)] for b in llms}
         ratios = [a / b for a, b in zip(rates["invariant"], rates["sdpa"], strict=True)]
         rows.append(f"| bf16, c=1, {m} | {statistics.median(rates['invariant']):.1f} | "
                     f"{statistics.median(rates['sdpa']):.1f} | {statistics.median(ratios):.2f}x "
                     f"({min(ratios):.2f}-{max(ratios):.2f}) |")
     for b in llms:
-        same = sum(outs[(b, "defaults", i)] == outs[(b, "lookahead off", i)] for i in range(len(prompts)))
+        same = sum(outs[(b, "fixed default", i)] == outs[(b, "lookahead off", i)] for i in range(len(prompts)))
         rows.append(f"| bf16, {b}: lookahead == off | {same}/{len(prompts)} | | |")
     return rows
 
@@ -182,11 +182,11 @@ def main(argv: list[str] | None = None) -> None:
     sets = load_prompts(llm, args.mt_bench, args.humaneval, max(args.num_single, max(args.concurrency, default=0)))
     d = DEFAULT_LOOKAHEAD
     log(f"defaults: dtype {eng.dtype}, backend {eng.model.model.layers[0].self_attn.backend.name}, "
-        f"policy {eng.scheduler.config.lookahead_policy}, lookahead {d.window_size},{d.ngram_size},{d.verification_set_size}")
+        f"policy {eng.scheduler.config.lookahead.policy}, lookahead {d.window_size},{d.ngram_size},{d.verification_set_size}")
     raw: dict = {}
     head = [f"Defaults: dtype {str(eng.dtype).removeprefix('torch.')}, attention "
             f"{eng.model.model.layers[0].self_attn.backend.name}, lookahead policy "
-            f"{eng.scheduler.config.lookahead_policy} up to ({d.window_size},{d.ngram_size},{d.verification_set_size}); "
+            f"{eng.scheduler.config.lookahead.policy} up to ({d.window_size},{d.ngram_size},{d.verification_set_size}); "
             f"greedy, {args.max_tokens} new tokens, {args.rounds} rounds (ratio: median, min-max over rounds).", "",
             "| prompts | mode | tokens/s | vs lookahead off | outputs == off |", "|---|---|---|---|---|"]
     rows = c1_study(args, llm, sets, args.maxima, raw) + batch_study(args, llm, sets, raw)

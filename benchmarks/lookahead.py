@@ -12,7 +12,7 @@ over requests, and the mean of the per-request ratios), the same over the first 
 seconds, tokens/s, speedup over lookahead off in the same mode, and whether every output equals plain
 greedy decoding token for token.
 
-    .venv/bin/python benchmarks/lookahead.py --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/lookahead.py --results benchmarks/results/DATE-NAME.md
 
 ``--concurrency 1,4,16,32`` runs the scheduling study instead (``concurrency_study``: adaptive, one mode
 per ``--objectives``, vs off vs ``--fixed`` configs, on one engine), and ``--window-value`` what a
@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from engine import LLM, LookaheadParams, SamplingParams
-from scheduler.lookahead import step_tokens
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.scheduler.lookahead import step_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -132,7 +132,7 @@ def run(llm: LLM, prompts: list[str], config: LookaheadParams, max_tokens: int, 
 
 
 def parse_configs(text: str) -> list[LookaheadParams]:
-    return [LookaheadParams(*(int(v) for v in part.split(","))) for part in text.split(";") if part]
+    return [LookaheadParams.parse(part) for part in text.split(";") if part]
 
 
 def table(rows: list[Row]) -> str:
@@ -189,7 +189,7 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
     log("profiling the step cost ...")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=budget, max_num_seqs=256,
               lookahead_policy="adaptive")
-    cost = llm.engine.scheduler.cost_model
+    cost = llm.engine.scheduler.planner.cost_model
     profile = ", ".join(f"{k}: {v * 1e3:.1f}" for k, v in zip(cost.knots, cost.seconds))
     adaptive_chosen: dict[str, Counter[str]] = {}
     top = Row('', '', args.adaptive_max, [], [], 0).label[1:-1]
@@ -244,9 +244,9 @@ def concurrency_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> s
                     shift = (k // 2) % len(order)
                     for label, policy, config, objective in order[shift:] + order[:shift]:
                         eng = llm.engine
-                        eng.scheduler.set_lookahead_policy(policy)
-                        eng.scheduler.config = replace(eng.scheduler.config, max_num_seqs=c,
-                                                       lookahead_objective=objective or "throughput")
+                        cfg = eng.scheduler.config
+                        eng.scheduler.reconfigure(replace(cfg, max_num_seqs=c, lookahead=replace(
+                            cfg.lookahead, policy=policy, objective=objective or "throughput")))
                         before = (eng.step_abs_error_seconds_total, eng.step_seconds_total)
                         chosen_before = Counter(eng.lookahead_chosen)
                         outs, seconds = run(llm, unit, config, args.max_tokens, False)
@@ -304,8 +304,8 @@ def window_value_study(args: argparse.Namespace, sets: dict[str, list[str]]) -> 
     is and once with such steps decoded plainly instead (their window then does not advance). The extra
     tokens lost per step so replaced, over the prior gain of the config, is the window's value (bf16 outputs
     of the two runs may differ in length, so the loss is taken per output token)."""
-    from scheduler import Scheduler
-    from scheduler.policy import prior_gain
+    from lookahead_serve.scheduler import Scheduler
+    from lookahead_serve.scheduler.policy import prior_gain
 
     llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_batched_tokens=args.max_step_tokens,
               max_num_seqs=1)

@@ -19,7 +19,7 @@ time per output token (TPOT: (last token time - first token time) / (completion 
 calls with one token left out) p50/p99, and tokens per decoding step (sum of completion tokens / sum of
 decoding steps, from the server's usage). Clients and server share the machine's cores.
 
-    .venv/bin/python benchmarks/serving.py --results benchmarks/RESULTS.md      # or: make bench-serving
+    .venv/bin/python benchmarks/serving.py --results benchmarks/results/DATE-NAME.md      # or: make bench-serving
 
 A quick smoke run::
 
@@ -50,8 +50,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.lookahead.v1 import lookahead_pb2 as pb
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"
@@ -118,7 +118,7 @@ def free_port() -> int:
 
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "engine.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    command = [sys.executable, "-m", "lookahead_serve.deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--max-live-requests", str(max(args.users) + 8)]
     if args.model:
         command += ["--model", args.model]

@@ -64,8 +64,8 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import serving  # benchmarks/serving.py, beside this script: its health wait
-from proto.lookahead.v1 import lookahead_pb2 as pb
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "lookahead.v1.LookaheadService"
@@ -396,7 +396,7 @@ class Server:
     def __init__(self, args: argparse.Namespace) -> None:
         self.port, self.metrics_port = free_ports(2)
         exe = Path(sys.executable).with_name("lookahead-serve")
-        command = [str(exe)] if exe.exists() else [sys.executable, "-m", "engine.cli"]
+        command = [str(exe)] if exe.exists() else [sys.executable, "-m", "lookahead_serve.deploy.cli"]
         command += ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port)]
         command += (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
         self.command = command

@@ -23,7 +23,7 @@ check, not an assertion: fp32 kernels that differ can flip a near-tied argmax an
 
 Run it from the repository root (a full run takes several minutes on a small CPU)::
 
-    .venv/bin/python benchmarks/throughput.py --results benchmarks/RESULTS.md
+    .venv/bin/python benchmarks/throughput.py --results benchmarks/results/DATE-NAME.md
 
 A quick smoke run::
 
@@ -60,7 +60,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.generation import ContinuousBatchingConfig
 
-from engine import LLM, LLMEngine, LookaheadParams, SamplingParams
+from lookahead_serve.engine import LLM, LLMEngine, LookaheadParams, SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"

@@ -30,8 +30,10 @@ from pathlib import Path  # noqa: E402
 import grpc  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
 
-from proto.lookahead.v1 import lookahead_pb2 as pb  # noqa: E402
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc  # noqa: E402
+from lookahead_serve.proto.convert import to_lookahead_proto  # noqa: E402  (no torch: engine types are annotations only)
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb  # noqa: E402
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc  # noqa: E402
+from lookahead_serve.scheduler.params import LookaheadParams  # noqa: E402  (pure Python)
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
 CALL_TIMEOUT_S = 600.0
@@ -69,10 +71,8 @@ def _load_prompts(environment, **_) -> None:
 def lookahead_proto(value: str) -> pb.LookaheadParams | None:
     if not value:
         return None
-    if value == "off":
-        return pb.LookaheadParams(enabled=False)
-    w, n, g = (int(v) for v in value.split(","))
-    return pb.LookaheadParams(enabled=True, window_size=w, ngram_size=n, verification_set_size=g)
+    params = LookaheadParams.parse(value)
+    return to_lookahead_proto(None if params.is_plain else params)
 
 
 class GrpcUser(User):

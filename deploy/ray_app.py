@@ -22,9 +22,9 @@ from typing import Any
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 
-from proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
 
-SERVICER_FUNCTION = "proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"
+SERVICER_FUNCTION = "lookahead_serve.proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"
 SHUTDOWN_GRACE_S = 30.0  # as `lookahead-serve serve --shutdown-grace`: what live streams get on a stop
 DESTRUCTOR_S = 10.0  # on top of the grace: __del__ closing the engine, and Ray closing the replica's servers
 
@@ -33,7 +33,7 @@ DESTRUCTOR_S = 10.0  # on top of the grace: __del__ closing the engine, and Ray 
 def _grpc_status(grpc_context: RayServegRPCContext) -> Iterator[None]:
     """Put a RequestError's status code and message on Ray's gRPC context, then re-raise it: Ray's proxy
     answers the call with that status (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...) instead of INTERNAL."""
-    from proto.server import RequestError  # lazily: importing this module must not import torch
+    from lookahead_serve.proto.server import RequestError  # lazily: importing this module must not import torch
 
     try:
         yield
@@ -53,11 +53,11 @@ class LookaheadDeployment:
                  engine_args: dict[str, Any] | None = None, max_live_requests: int = 256) -> None:
         import os
 
-        from engine import LLM
-        from engine.async_engine import AsyncLLMEngine
-        from engine.loader import DEFAULT_MODEL_NAME
-        from proto.metrics import ServerMetrics
-        from proto.server import ServiceCore
+        from lookahead_serve.engine import LLM
+        from lookahead_serve.engine.async_engine import AsyncLLMEngine
+        from lookahead_serve.engine.loader import DEFAULT_MODEL_NAME
+        from lookahead_serve.proto.metrics import ServerMetrics
+        from lookahead_serve.proto.server import ServiceCore
 
         # A server's requests come and go: the adaptive lookahead policy values every token alike.
         llm = LLM(model, **{"lookahead_objective": "throughput", **(engine_args or {})})

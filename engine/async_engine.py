@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from scheduler import SamplingParams
+from lookahead_serve.engine.llm_engine import LLMEngine, PromptType
+from lookahead_serve.engine.outputs import RequestOutput
+from lookahead_serve.scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,41 +4,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.config import LookaheadConfig, SchedulerConfig
-from scheduler.params import LookaheadParams
-
-# Engine-wide default for requests that do not choose. Measured on the default model (benchmarks/RESULTS.md,
-# 2026-12-02): among (15,5,15), (7,5,7), (5,3,5) and (4,3,4), (5,3,5) costs the least wall-clock at batch 1
-# on a 2-core CPU in float32 (0.66x / 0.85x of lookahead off on MT-bench / HumanEval, against 0.64x /
-# 0.81x for (4,3,4) and 0.41x / 0.63x for (15,5,15)) while compressing more than (4,3,4) (1.48 / 2.13
-# tokens per step). Every setting is slower than plain decoding on that CPU; choosing per step whether
-# lookahead pays is the scheduler's job (the lookahead-scheduling issue).
-DEFAULT_LOOKAHEAD = LookaheadParams(window_size=5, ngram_size=3, verification_set_size=5)
+from lookahead_serve.scheduler.config import SchedulerConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _help(text: str, choices: tuple[str, ...] | None = None, **kw):
+    """A config field with its help text (and choices): what the CLI shows for its flag."""
+    return field(metadata={"help": text, "choices": choices}, **kw)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """model: None for the embedded default (SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file.
-    dtype: "auto" is bfloat16 where the hardware computes it natively (any CUDA GPU; a CPU with
-    avx512_bf16 or AMX) and float32 elsewhere (resolve_dtype). max_model_len: None takes the model's own limit.
-    attention_backend: "auto" picks by device (engine.attention), or name one.
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    device: str = "cpu"
-    seed: int = 0
-    attention_backend: str = "auto"
+    model: str | None = _help("a Hugging Face folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+                              default=None)
+    dtype: str = _help("weights and KV cache dtype: auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                       "(avx512_bf16 or AMX), else float32", choices=_DTYPES, default="auto")
+    max_model_len: int | None = _help("prompt + output token cap (default: the model's)", default=None)
+    device: str = _help("cpu or cuda[:N]", default="cpu")
+    seed: int = _help("seed of the engine's sampler for requests without one", default=0)
+    attention_backend: str = _help("auto = invariant in bfloat16/float16 (a token's bits never depend on what "
+                                   "shares its step), sdpa in float32", choices=("auto", "torch", "sdpa", "invariant"),
+                                   default="auto")
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len!r}")
-        from engine.attention import BACKENDS
+        from lookahead_serve.engine.attention import BACKENDS
 
         if self.attention_backend != "auto" and self.attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend must be auto or one of {sorted(BACKENDS)}, got {self.attention_backend!r}")
@@ -48,14 +42,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """block_size: tokens per KV block. num_blocks: None sizes the pool from kv_cache_memory_gib.
-    enable_prefix_caching: reuse full blocks of identical prefixes across requests.
-    """
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_memory_gib: float = 1.0
-    enable_prefix_caching: bool = True
+    block_size: int = _help("tokens per KV block", default=16)
+    num_blocks: int | None = _help("KV blocks in the pool (default: as many as kv_cache_memory_gib holds)",
+                                   default=None)
+    kv_cache_memory_gib: float = _help("KV cache size in GiB", default=1.0)
+    enable_prefix_caching: bool = _help("reuse full KV blocks of identical prefixes across requests", default=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -70,14 +61,7 @@ class CacheConfig:
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    # None: defaults with lookahead on (DEFAULT_LOOKAHEAD), and max_model_len from the model
-    scheduler: SchedulerConfig | None = None
-
-
-def default_scheduler_config(**overrides) -> SchedulerConfig:
-    overrides.setdefault("lookahead", LookaheadConfig(default=DEFAULT_LOOKAHEAD))
-    overrides.setdefault("lookahead_policy", "adaptive")
-    return SchedulerConfig(**overrides)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # max_model_len None: the model's
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from engine.config import DEFAULT_LOOKAHEAD, CacheConfig, EngineConfig, ModelConfig, default_scheduler_config
-from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from scheduler import LookaheadConfig, LookaheadParams, SamplingParams
+from dataclasses import replace
+
+from lookahead_serve.engine.config import CacheConfig, EngineConfig, ModelConfig
+from lookahead_serve.engine.llm_engine import LLMEngine, PromptType
+from lookahead_serve.engine.outputs import RequestOutput
+from lookahead_serve.scheduler import LookaheadConfig, LookaheadParams, SamplingParams, SchedulerConfig
+
+
+def _lookahead_config(default, maximum, policy, objective) -> LookaheadConfig:
+    """LookaheadConfig's defaults, with what the caller gave."""
+    given = dict(default=default, policy=policy, objective=objective)
+    if maximum is not None:
+        given.update(zip(("max_window_size", "max_ngram_size", "max_verification_set_size"), maximum, strict=True))
+    return replace(LookaheadConfig(), **{k: v for k, v in given.items() if v is not None})
 
 
 class LLM:
@@ -40,14 +50,14 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
-        lookahead: LookaheadParams = DEFAULT_LOOKAHEAD,
-        max_lookahead: tuple[int, int, int] = (16, 8, 16),
-        lookahead_policy: str = "adaptive",
-        lookahead_objective: str = "makespan",
+        lookahead: LookaheadParams | None = None,
+        max_lookahead: tuple[int, int, int] | None = None,
+        lookahead_policy: str | None = None,
+        lookahead_objective: str | None = None,
         step_cost_model=None,
         log_schedule: bool = False,
     ) -> None:
-        self.engine = LLMEngine(
+        self._init(
             EngineConfig(
                 model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
                                   attention_backend=attention_backend),
@@ -57,17 +67,25 @@ class LLM:
                     kv_cache_memory_gib=kv_cache_memory_gib,
                     enable_prefix_caching=enable_prefix_caching,
                 ),
-                scheduler=default_scheduler_config(
+                scheduler=SchedulerConfig(
                     max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs,
-                    lookahead=LookaheadConfig(lookahead, *max_lookahead),
-                    lookahead_policy=lookahead_policy,
-                    lookahead_objective=lookahead_objective,
+                    lookahead=_lookahead_config(lookahead, max_lookahead, lookahead_policy, lookahead_objective),
                 ),
             ),
-            cost_model=step_cost_model,
-            log_schedule=log_schedule,
+            step_cost_model,
+            log_schedule,
         )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, step_cost_model=None, log_schedule: bool = False) -> LLM:
+        """An LLM over a whole config tree (what the CLI builds from its flags)."""
+        llm = cls.__new__(cls)
+        llm._init(config, step_cost_model, log_schedule)
+        return llm
+
+    def _init(self, config: EngineConfig, step_cost_model, log_schedule: bool) -> None:
+        self.engine = LLMEngine(config, cost_model=step_cost_model, log_schedule=log_schedule)
         self.tokenizer = self.engine.tokenizer
 
     def _add(self, prompts, params) -> list[str]:

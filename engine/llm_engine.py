@@ -11,21 +11,21 @@ from typing import Any
 
 import torch
 
-from engine.attention import get_backend
-from engine.config import EngineConfig, default_scheduler_config, resolve_dtype
-from engine.detokenizer import IncrementalDetokenizer
-from engine.loader import cache_root, load_hf_config, load_state_dict, load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.models.llama import LlamaForCausalLM
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.step_profile import cached_step_cost
-from kv_cache import KVCacheManager
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler
-from scheduler.request import describe_error
-from scheduler.cost import StepCostModel
+from lookahead_serve.engine.attention import BACKENDS, get_backend
+from lookahead_serve.engine.config import EngineConfig, resolve_dtype
+from lookahead_serve.engine.detokenizer import IncrementalDetokenizer
+from lookahead_serve.engine.loader import cache_root, load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from lookahead_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from lookahead_serve.engine.models.llama import LlamaForCausalLM
+from lookahead_serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lookahead_serve.engine.step_profile import cached_step_cost
+from lookahead_serve.kv_cache import KVCacheManager
+from lookahead_serve.scheduler import LookaheadConfig, Request, RequestStatus, SamplingParams, Scheduler
+from lookahead_serve.scheduler.request import describe_error
+from lookahead_serve.scheduler.cost import StepCostModel
 
 logger = logging.getLogger(__name__)
-schedule_logger = logging.getLogger("engine.schedule")
+schedule_logger = logging.getLogger("lookahead_serve.schedule")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +43,42 @@ class _Tracked:
 
 def lookahead_label(p) -> str:
     return f"{p.window_size},{p.ngram_size},{p.verification_set_size}"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine serves and its limits (LLMEngine.model_info)."""
+
+    model_path: str
+    dtype: str  # "float32", "bfloat16" or "float16"
+    device: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int
+    attention_backend: str  # engine.attention.BACKENDS name
+    lookahead: LookaheadConfig  # the default (W, N, G) and the most a request may ask for
+    lookahead_policy: str  # "fixed" or "adaptive"
+    lookahead_objective: str  # "throughput" or "makespan"
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's running totals and queues (LLMEngine.stats)."""
+
+    num_steps: int
+    step_tokens_total: int
+    step_seconds_total: float
+    step_predicted_seconds_total: float  # over the steps the cost model predicted
+    step_abs_error_seconds_total: float
+    last_step_seconds: float
+    last_predicted_seconds: float | None
+    lookahead_chosen: dict[str, int]  # "w,n,g" -> lookahead segments run
+    num_preemptions: int
+    num_free_kv_blocks: int
+    num_used_kv_blocks: int
+    num_running: int
+    num_waiting: int
 
 
 class LLMEngine:
@@ -64,10 +100,11 @@ class LLMEngine:
         max_model_len = mc.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_max} positions")
-        sched_cfg = replace(config.scheduler or default_scheduler_config(), max_model_len=max_model_len)
+        sched_cfg = replace(config.scheduler, max_model_len=max_model_len)
 
         torch.manual_seed(mc.seed)
         backend = get_backend(mc.attention_backend, mc.device, self.dtype)
+        self._backend_name = next(name for name, cls in BACKENDS.items() if type(backend) is cls)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
             model = LlamaForCausalLM(self.hf_config, backend, max_model_len)
         model = model.to_empty(device=self.device)
@@ -80,7 +117,7 @@ class LLMEngine:
         )
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype, mc.seed)
-        if cost_model is None and sched_cfg.lookahead_policy == "adaptive":
+        if cost_model is None and sched_cfg.lookahead.policy == "adaptive":
             cost_model = cached_step_cost(self.runner, self.model_path, type(backend).__name__,
                                           sched_cfg.max_num_batched_tokens, cache_root() / "step-cost")
         self.scheduler = Scheduler(sched_cfg, self.kv_manager, cost_model)
@@ -109,6 +146,41 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
+
+    # ---- facade for the layers above (server, metrics) ------------------------------------------
+    def model_info(self) -> ModelInfo:
+        cfg = self.scheduler.config  # read live: a caller may replace it between runs
+        return ModelInfo(
+            model_path=str(self.model_path),
+            dtype=next(name for name, dt in _DTYPES.items() if dt == self.dtype),
+            device=str(self.device),
+            max_model_len=cfg.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=self.kv_manager.block_size,
+            num_kv_blocks=self.kv_manager.pool.num_blocks,
+            attention_backend=self._backend_name,
+            lookahead=cfg.lookahead,
+            lookahead_policy=cfg.lookahead.policy,
+            lookahead_objective=cfg.lookahead.objective,
+        )
+
+    def stats(self) -> EngineStats:
+        free = self.kv_manager.num_free_blocks
+        return EngineStats(
+            num_steps=self.num_steps,
+            step_tokens_total=self.step_tokens_total,
+            step_seconds_total=self.step_seconds_total,
+            step_predicted_seconds_total=self.step_predicted_seconds_total,
+            step_abs_error_seconds_total=self.step_abs_error_seconds_total,
+            last_step_seconds=self.last_step_seconds,
+            last_predicted_seconds=self.last_predicted_seconds,
+            lookahead_chosen=dict(self.lookahead_chosen),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_kv_blocks=free,
+            num_used_kv_blocks=self.kv_manager.pool.num_blocks - free,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+        )
 
     # ---- intake --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -196,19 +268,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         runner_out = self.runner.execute(sched_out)
         self.last_step_seconds = time.perf_counter() - t0
-        self.last_predicted_seconds = self.scheduler.observe_step(self.last_step_seconds)
+        stats = replace(sched_out.stats, seconds=self.last_step_seconds) if sched_out.stats else None
+        self.last_predicted_seconds = stats.predicted_seconds if stats else None
         self.num_steps += 1
         self.step_tokens_total += sched_out.num_scheduled_tokens
         self.step_seconds_total += self.last_step_seconds
         if self.last_predicted_seconds is not None:
             self.step_predicted_seconds_total += self.last_predicted_seconds
             self.step_abs_error_seconds_total += abs(self.last_predicted_seconds - self.last_step_seconds)
-        chosen = [lookahead_label(p) for p in self.scheduler.last_lookahead]
+        chosen = [lookahead_label(p) for p in stats.lookahead] if stats else []
         self.lookahead_chosen.update(chosen)
         if self.log_schedule:
             self._log_step(sched_out, chosen)
         outputs += self._fail(runner_out.failed)
-        for req in self.scheduler.update_from_output(sched_out, runner_out):
+        for req in self.scheduler.update_from_output(sched_out, runner_out, stats):
             tracked = self._tracked[req.request_id]
             try:
                 tracked.detok.update(req.output_token_ids, req.status.finished)
@@ -240,7 +313,7 @@ class LLMEngine:
             "step %d: %d tokens (%d prefill chunks, %d plain decodes, %d lookahead: %s); predicted %s ms, observed "
             "%.1f ms; lookahead cost checked at %.2fx the model's",
             self.num_steps, sched_out.num_scheduled_tokens, n_prefill, n_plain, len(chosen), configs, predicted,
-            self.last_step_seconds * 1e3, self.scheduler.lookahead_cost.scale,
+            self.last_step_seconds * 1e3, sched_out.stats.cost_scale if sched_out.stats else 1.0,
         )
 
     def _output(self, tracked: _Tracked) -> RequestOutput:

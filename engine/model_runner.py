@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.sampler import Sampler, processed_probs
-from engine.verify import Verdict, verify_greedy, verify_sampling
-from kv_cache import build_block_table, compute_slot_mapping
-from scheduler import LookaheadLayout, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from scheduler.request import describe_error
+from lookahead_serve.engine.attention import CommonAttentionMetadata, SegmentKind
+from lookahead_serve.engine.models.llama import head_dim
+from lookahead_serve.engine.sampler import Sampler, processed_probs
+from lookahead_serve.engine.verify import Verdict, verify_greedy, verify_sampling
+from lookahead_serve.kv_cache import build_block_table, compute_slot_mapping
+from lookahead_serve.scheduler import LookaheadLayout, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from lookahead_serve.scheduler.request import describe_error
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,8 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def tree_layout(layout: LookaheadLayout) -> tuple[np.ndarray, torch.Tensor]:
-    """Offsets [n] and tree mask [n, n] (True = may attend) of a lookahead segment."""
+def tree_layout(layout: LookaheadLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets [n] and tree mask [n, n] (True = may attend) of a lookahead segment; shared, read-only."""
     offsets, parents = layout.tree()
     n = len(offsets)
     mask = np.zeros((n, n), dtype=bool)
@@ -44,19 +45,27 @@ def tree_layout(layout: LookaheadLayout) -> tuple[np.ndarray, torch.Tensor]:
         if parent >= 0:
             mask[i] = mask[parent]
         mask[i, i] = True
-    return np.asarray(offsets, dtype=np.int64), torch.from_numpy(mask)
+    offsets_arr = np.asarray(offsets, dtype=np.int64)
+    offsets_arr.flags.writeable = mask.flags.writeable = False
+    return offsets_arr, mask
 
 
 @dataclass
 class StepInputs:
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
-    meta: AttentionMetadata
-    block_table: np.ndarray  # [num_segs, max_blocks]
+    meta: CommonAttentionMetadata
+
+
+def _kind(seg: ScheduledRequest) -> SegmentKind:
+    if seg.lookahead is not None:
+        return SegmentKind.LOOKAHEAD
+    # One committed token attends to its prefix and itself, all in the cache once written: a decode.
+    return SegmentKind.DECODE if len(seg.token_ids) == 1 else SegmentKind.PREFILL
 
 
 def build_step_inputs(segs: list[ScheduledRequest], block_size: int, device: torch.device) -> StepInputs:
-    """Token ids, positions and attention metadata of one packed step."""
+    """Token ids, positions and the backend-neutral attention metadata of one packed step, on the host."""
     bs = block_size
     n_segs = len(segs)
     seg_lens = np.fromiter((len(s.token_ids) for s in segs), dtype=np.int64, count=n_segs)
@@ -66,59 +75,31 @@ def build_step_inputs(segs: list[ScheduledRequest], block_size: int, device: tor
     num_tokens = int(cu[-1])
     seg_of_token = np.repeat(np.arange(n_segs), seg_lens)
     offsets = np.arange(num_tokens) - np.repeat(cu[:-1], seg_lens)
-    seg_masks: list[torch.Tensor | None] = [None] * n_segs
+    tree_masks: list[np.ndarray | None] = [None] * n_segs
     transient = np.zeros(num_tokens, dtype=bool)
     for s, seg in enumerate(segs):
         if seg.lookahead is not None:
-            tree_offsets, mask = tree_layout(seg.lookahead)
-            offsets[cu[s] : cu[s + 1]] = tree_offsets
-            seg_masks[s] = mask.to(device)
+            offsets[cu[s] : cu[s + 1]], tree_masks[s] = tree_layout(seg.lookahead)
             transient[cu[s] : cu[s + 1]] = True
     positions = starts[seg_of_token] + offsets
     table = build_block_table([s.block_ids for s in segs])
     # Transient tokens may lie past the blocks the request owns: clip, then mark them unwritten.
     block_idx = np.minimum(positions // bs, table.shape[1] - 1)
     slots = np.where(transient, -1, table[seg_of_token, block_idx] * bs + positions % bs)
-
-    # A decode token attends to its prefix and itself, all in the cache once it is written.
-    is_lookahead = np.fromiter((s.lookahead is not None for s in segs), dtype=bool, count=n_segs)
-    is_decode = (seg_lens == 1) & ~is_lookahead
-    decode_segs = np.flatnonzero(is_decode)
-    ctx = starts[decode_segs] + 1
-    grid = np.arange(int(ctx.max()) if len(ctx) else 0)
-    decode_mask = grid[None, :] < ctx[:, None]
-    dec_block = np.minimum(grid // bs, table.shape[1] - 1)
-    dec_slots = np.where(decode_mask, table[decode_segs][:, dec_block] * bs + grid % bs, 0)
-    written = np.flatnonzero(~transient)
-
-    prefix_slots: list[torch.Tensor | None] = [None] * n_segs
-    other_segs = np.flatnonzero(~is_decode).tolist()
-    for s in other_segs:
-        if starts[s] > 0:
-            p = np.arange(starts[s])
-            prefix_slots[s] = torch.from_numpy(table[s, p // bs] * bs + p % bs).to(device)
-
-    meta = AttentionMetadata(
+    meta = CommonAttentionMetadata(
         num_tokens=num_tokens,
+        block_size=bs,
+        device=device,
+        kinds=[_kind(s) for s in segs],
         query_start_loc=cu.tolist(),
         context_lens=starts.tolist(),
-        block_tables=torch.from_numpy(table).to(device),
-        slot_mapping=torch.from_numpy(slots).to(device),
-        block_size=bs,
-        write_all=len(written) == num_tokens,
-        write_token_idx=torch.from_numpy(written).to(device),
-        write_slots=torch.from_numpy(slots[written]).to(device),
-        decode_segs=decode_segs.tolist(),
-        decode_token_idx=torch.from_numpy(cu[decode_segs]).to(device),
-        decode_slots=torch.from_numpy(dec_slots).to(device),
-        decode_mask=torch.from_numpy(decode_mask).to(device),
-        other_segs=other_segs,
-        prefix_slots=prefix_slots,
-        seg_masks=seg_masks,
         positions=positions,
+        block_table=table,
+        slot_mapping=slots,
+        tree_masks=tree_masks,
     )
     input_ids = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in segs), np.int64, num_tokens)
-    return StepInputs(input_ids, positions, meta, table)
+    return StepInputs(input_ids, positions, meta)
 
 
 @contextlib.contextmanager
@@ -137,10 +118,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # Per layer: [2 (key, value), num_blocks * block_size slots, num_kv_heads, head_dim]
         self.kv_caches = [
-            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(2, num_blocks * block_size, cfg.num_key_value_heads, head_dim(cfg), dtype=dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
         self.sampler = Sampler(seed)
@@ -187,14 +167,12 @@ class ModelRunner:
 
     def _execute_step(self, segs: list[ScheduledRequest]) -> ModelRunnerOutput:
         inputs = build_step_inputs(segs, self.block_size, self.device)
-        has_lookahead = any(s.lookahead is not None for s in segs)
-        step_kv: list | None = [] if has_lookahead else None
+        has_lookahead = inputs.meta.has_lookahead
         hidden = self.model(
             torch.from_numpy(inputs.input_ids).to(self.device),
             torch.from_numpy(inputs.positions).to(self.device),
             self.kv_caches,
             inputs.meta,
-            step_kv,
         )
         starts = inputs.meta.query_start_loc
         sampled: list[list[int]] = [[] for _ in segs]
@@ -230,11 +208,11 @@ class ModelRunner:
             lo += len(rows)
         if commits:
             try:
-                self._commit(segs, inputs, commits, step_kv)
+                self._commit(segs, inputs, commits)
             except Exception:  # commit each alone: only a culprit's own slots can be at fault
                 for commit in commits:
                     try:
-                        self._commit(segs, inputs, [commit], step_kv)
+                        self._commit(segs, inputs, [commit])
                     except Exception as e:
                         logger.exception("committing the step failed for request %s", segs[commit[0]].req_id)
                         failed[segs[commit[0]].req_id] = describe_error(e)
@@ -284,8 +262,9 @@ class ModelRunner:
                                       lambda p, depth: self.sampler.draw_at(p, seg, seg.start_pos + 1 + depth))
         return verdict, window
 
-    def _commit(self, segs, inputs: StepInputs, commits, step_kv) -> None:
-        """Write x's and the accepted candidate tokens' keys and values to their slots."""
+    def _commit(self, segs, inputs: StepInputs, commits) -> None:
+        """Write x's and the accepted candidate tokens' keys and values (recorded by every layer in
+        ``inputs.meta.transient_kv``) to their slots."""
         starts = inputs.meta.query_start_loc
         token_idx: list[int] = []
         seg_rows: list[int] = []
@@ -296,9 +275,12 @@ class ModelRunner:
             token_idx += [lo] + [cand_start + d for d in range(k)]
             positions += list(range(p, p + k + 1))
             seg_rows += [i] * (k + 1)
-        slots = compute_slot_mapping(inputs.block_table, np.asarray(seg_rows), np.asarray(positions), self.block_size)
+        slots = compute_slot_mapping(inputs.meta.block_table, np.asarray(seg_rows), np.asarray(positions),
+                                     self.block_size)
         idx = torch.tensor(token_idx, device=self.device)
         slot_t = torch.from_numpy(slots).to(self.device)
-        for kv_cache, (k, v) in zip(self.kv_caches, step_kv, strict=True):
+        record = inputs.meta.transient_kv
+        for layer, kv_cache in enumerate(self.kv_caches):
+            k, v = record[layer]
             kv_cache[0].index_copy_(0, slot_t, k[idx])
             kv_cache[1].index_copy_(0, slot_t, v[idx])

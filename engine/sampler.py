@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from scheduler import ScheduledRequest
-from scheduler.request import describe_error
+from lookahead_serve.scheduler import ScheduledRequest
+from lookahead_serve.scheduler.request import describe_error
 
 
 def processed_probs(

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from scheduler import LookaheadLayout, ScheduledRequest, SchedulerOutput
-from scheduler.cost import StepCostModel
+from lookahead_serve.kv_cache import cdiv
+from lookahead_serve.scheduler import LookaheadLayout, ScheduledRequest, SchedulerOutput
+from lookahead_serve.scheduler.cost import StepCostModel
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def _lookahead_step(num_tokens: int, block_ids: list[int]) -> list[ScheduledRequ
     """One plain decode and lookahead segments of at most 64 tokens, ``num_tokens`` in all."""
     step = _decodes(1, block_ids)
     rest = num_tokens - 1
-    k = -(-rest // 64)
+    k = cdiv(rest, 64)
     sizes = [rest // k + (i < rest % k) for i in range(k)]
     return step + [_segment(i, size, block_ids) for i, size in enumerate(sizes)]
 
@@ -89,7 +90,7 @@ def profile_step_cost(runner, max_tokens: int, repeats: int = 5, learning_rate: 
     last slope, and the live fit takes over.
     """
     start = time.perf_counter()
-    block_ids = list(range(-(-(CONTEXT + 64) // runner.block_size)))
+    block_ids = list(range(cdiv(CONTEXT + 64, runner.block_size)))
     knots = knots_for(min(max_tokens, 512))
     steps = [_decodes(t, block_ids) if t < 3 else _lookahead_step(t, block_ids) for t in knots]
     extra: dict[str, list[ScheduledRequest]] = {f"{d} decodes": _decodes(d, block_ids) for d in (16, 64) if d <= max_tokens}

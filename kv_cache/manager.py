@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kv_cache.block_pool import BlockPool, KVBlock
-from kv_cache.hashing import hash_block_tokens
+from lookahead_serve.kv_cache.block_pool import BlockPool, KVBlock
+from lookahead_serve.kv_cache.hashing import hash_block_tokens
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of b hold a tokens."""
     return -(-a // b)
 
 

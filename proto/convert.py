@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from engine.llm_engine import LLMEngine, PromptType
-from engine.outputs import RequestOutput
-from proto.lookahead.v1 import lookahead_pb2 as pb
-from scheduler import LookaheadParams, SamplingParams
+from typing import TYPE_CHECKING
+
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.scheduler import LookaheadParams, SamplingParams
+
+if TYPE_CHECKING:  # importing engine loads torch: clients (CLI client, locust) import this module too
+    from lookahead_serve.engine.llm_engine import LLMEngine, PromptType
+    from lookahead_serve.engine.outputs import RequestOutput
 
 
 def to_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> PromptType:
@@ -56,13 +60,19 @@ def to_sampling_params(request: pb.GenerateRequest, max_model_len: int) -> Sampl
     return SamplingParams(**kwargs)
 
 
-def to_lookahead_proto(params: LookaheadParams) -> pb.LookaheadParams:
-    return pb.LookaheadParams(
-        enabled=not params.is_plain,
-        window_size=params.window_size,
-        ngram_size=params.ngram_size,
-        verification_set_size=params.verification_set_size,
-    )
+def to_lookahead_proto(params: LookaheadParams | tuple[int, int, int] | None, *,
+                       enabled: bool | None = None) -> pb.LookaheadParams:
+    """The one builder of proto LookaheadParams. None: lookahead off. A LookaheadParams keeps its
+    fields, enabled unless plain; a (w, n, g) tuple is sent as given, unchecked (the server checks it).
+    ``enabled`` overrides the flag."""
+    if params is None:
+        return pb.LookaheadParams(enabled=bool(enabled))
+    if isinstance(params, LookaheadParams):
+        on, (w, n, g) = not params.is_plain, (params.window_size, params.ngram_size, params.verification_set_size)
+    else:
+        on, (w, n, g) = True, params
+    return pb.LookaheadParams(enabled=on if enabled is None else enabled, window_size=w, ngram_size=n,
+                              verification_set_size=g)
 
 
 def to_response(out: RequestOutput, text: str, token_ids: list[int]) -> pb.GenerateResponse:

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from lookahead_serve.engine.llm_engine import LLMEngine
+from lookahead_serve.engine.outputs import RequestOutput
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class ScheduleCollector(Collector):
-    """The lookahead scheduler's decisions, read from the engine's running totals at each scrape."""
+    """The lookahead scheduler's decisions, the KV cache and the queues: one engine.stats() per scrape."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
 
     def collect(self):
-        e = self.engine
+        e = self.engine.stats()
         yield CounterMetricFamily("lookahead_engine_steps", "Engine steps (forward passes)", value=e.num_steps)
         yield CounterMetricFamily("lookahead_engine_step_tokens", "Tokens in engine steps, summed", value=e.step_tokens_total)
         yield CounterMetricFamily("lookahead_engine_step_seconds", "Observed engine step time, summed",
@@ -34,6 +34,10 @@ class ScheduleCollector(Collector):
         yield chosen
         yield GaugeMetricFamily("lookahead_engine_last_step_seconds", "Observed time of the latest step",
                                 value=e.last_step_seconds)
+        yield GaugeMetricFamily("lookahead_kv_blocks_free", "Free KV blocks", value=e.num_free_kv_blocks)
+        yield GaugeMetricFamily("lookahead_kv_blocks_used", "Used KV blocks", value=e.num_used_kv_blocks)
+        yield GaugeMetricFamily("lookahead_requests_waiting", "Queued requests", value=e.num_waiting)
+        yield GaugeMetricFamily("lookahead_requests_running", "Running requests", value=e.num_running)
 
 
 class ServerMetrics:
@@ -50,14 +54,6 @@ class ServerMetrics:
         self.accepted = Counter("lookahead_accepted_draft_tokens", "Tokens beyond one per step from lookahead",
                                 registry=r)
         r.register(ScheduleCollector(engine))
-        kv = engine.kv_manager
-        Gauge("lookahead_kv_blocks_free", "Free KV blocks", registry=r).set_function(lambda: kv.num_free_blocks)
-        Gauge("lookahead_kv_blocks_used", "Used KV blocks", registry=r).set_function(
-            lambda: kv.pool.num_blocks - kv.num_free_blocks)
-        Gauge("lookahead_requests_waiting", "Queued requests", registry=r).set_function(
-            lambda: engine.scheduler.num_waiting)
-        Gauge("lookahead_requests_running", "Running requests", registry=r).set_function(
-            lambda: engine.scheduler.num_running)
 
     def observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics

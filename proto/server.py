@@ -22,11 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
-from proto.convert import to_lookahead_proto, to_prompt, to_response, to_sampling_params
-from proto.lookahead.v1 import lookahead_pb2 as pb
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
-from proto.metrics import ServerMetrics
+from lookahead_serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from lookahead_serve.proto.convert import to_lookahead_proto, to_prompt, to_response, to_sampling_params
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+from lookahead_serve.proto.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LookaheadService"].full_name
@@ -70,7 +70,7 @@ class ServiceCore:
             if request.model and request.model != self.model_name:
                 raise ValueError(f"model {request.model!r} is not served here; this server serves {self.model_name!r}")
             prompt = to_prompt(request, eng)
-            params = to_sampling_params(request, eng.scheduler.config.max_model_len)
+            params = to_sampling_params(request, eng.model_info().max_model_len)
             async for out in self.engine.generate(prompt, params, request.request_id or None):
                 if out.finished and self.metrics is not None:
                     self.metrics.observe_finished(out)
@@ -98,19 +98,14 @@ class ServiceCore:
 
     def model_info(self) -> pb.ModelInfo:
         self._check_accepting()
-        eng = self.engine.engine
-        la = eng.scheduler.config.lookahead
+        info = self.engine.engine.model_info()
+        la = info.lookahead
         return pb.ModelInfo(
             model=self.model_name,
-            max_model_len=eng.scheduler.config.max_model_len,
-            vocab_size=eng.vocab_size,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
             default_lookahead=to_lookahead_proto(la.default),
-            max_lookahead=pb.LookaheadParams(
-                enabled=True,
-                window_size=la.max_window_size,
-                ngram_size=la.max_ngram_size,
-                verification_set_size=la.max_verification_set_size,
-            ),
+            max_lookahead=to_lookahead_proto((la.max_window_size, la.max_ngram_size, la.max_verification_set_size)),
         )
 
 

@@ -1,4 +1,5 @@
-"""The two contract types between scheduler and model runner: one per step in each direction.
+"""The contract types between scheduler, model runner and engine: one per step in each direction, and the
+step's record (``StepStats``).
 
 Only ints, floats, strings and lists cross, so the same contract works in-process and across workers.
 """
@@ -7,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.lookahead import LookaheadLayout
+from lookahead_serve.scheduler.lookahead import LookaheadLayout
+from lookahead_serve.scheduler.params import LookaheadParams
 
 
 @dataclass(slots=True)
@@ -26,12 +28,31 @@ class ScheduledRequest:
     lookahead: LookaheadLayout | None = None  # set for a lookahead step: token_ids follow this layout
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """One step's record: its shape and predicted seconds when scheduled; the engine adds the observed
+    seconds (``dataclasses.replace``) and hands it back through ``Scheduler.update_from_output``."""
+
+    num_tokens: int
+    num_segments: int  # segments of several tokens (prefill chunks, lookahead segments)
+    num_decodes: int  # plain decodes
+    predicted_seconds: float | None = None  # None without a step-cost model
+    plain_seconds: float | None = None  # the same step with every request decoding plainly, predicted
+    num_sampling: int = 0  # segments that sample a token
+    lookahead: tuple[LookaheadParams, ...] = ()  # the (w, n, g) each lookahead segment runs
+    explored: bool = False  # the adaptive policy's exploration chose this step
+    adaptive: bool = False  # the adaptive policy chose it
+    cost_scale: float = 1.0  # the lookahead cost check's scale the policy planned with
+    seconds: float | None = None  # observed, filled in by the engine
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # since the last step: drop runner state
+    stats: StepStats | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -17,10 +17,9 @@ the two knots around ``T``. The engine measures them in a short profile at start
 (recursive least squares with a prior): the profile is the prior mean, each observed step updates the
 parameters its features touch in proportion to how uncertain they are, and a little process noise per
 step -- most of it along ``theta`` itself, which is how a VM's speed drifts -- lets old evidence fade. A
-step of 16 plain decodes and a lookahead step of 16 tokens share a knot but not ``d * D + o``, so the fit
-keeps them apart: an earlier version that corrected each knot on its own from the steps around it let
-the two shapes pull the same knot in opposite directions, and ran 31% slower than plain decoding at
-concurrency 16 in the scheduling benchmark. Tests inject a model (``learning_rate=0`` freezes it).
+step of 16 plain decodes and a lookahead step of 16 tokens share a knot but not ``d * D + o``, so the joint
+fit keeps them apart, where correcting each knot on its own would let the two shapes pull the same knot in
+opposite directions (docs/scheduling.md). Tests inject a model (``learning_rate=0`` freezes it).
 """
 
 from __future__ import annotations

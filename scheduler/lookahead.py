@@ -19,8 +19,7 @@ Warm-up: level 0 starts with W+N-3 tokens drawn from the prompt (C = W+N-2). Eac
 steps drops every level's first column (all offsets move one closer to x) and appends the outputs of
 the newest level as a new level, so C shrinks by one per step until there are N-1 levels of W. The
 window adds nothing to the pool during warm-up, but candidates already in the pool (the prompt's and the
-output's n-grams) are verified from the first step: verification is lossless whatever the candidates,
-and on MT-bench this lifts the (15,5,15) compression ratio from 1.783 to 1.794 (benchmarks/RESULTS.md).
+output's n-grams) are verified from the first step: verification is lossless whatever the candidates.
 
 A verification-only step (window size 0) carries x and the candidates alone: its layout has no levels,
 and the window, if the request has one, stays as it is until the next step that runs it.

@@ -59,6 +59,21 @@ class LookaheadParams:
         if self.ngram_size < 3:
             raise ValueError(f"lookahead.ngram_size must be at least 3 (or 1 for plain decoding), got {self.ngram_size}")
 
+    @classmethod
+    def parse(cls, text: str) -> LookaheadParams:
+        """"W,N,G" (e.g. "7,5,7") or "off"; ValueError otherwise."""
+        if text.strip().lower() == "off":
+            return cls(enabled=False)
+        try:
+            w, n, g = (int(v) for v in text.split(","))
+        except ValueError:
+            raise ValueError(f"lookahead: expected off or W,N,G (e.g. 7,5,7), got {text!r}") from None
+        return cls(w, n, g)
+
+    def label(self) -> str:
+        """"W,N,G", or "off" for plain decoding: what ``parse`` reads."""
+        return "off" if self.is_plain else f"{self.window_size},{self.ngram_size},{self.verification_set_size}"
+
     @property
     def is_plain(self) -> bool:
         return not self.enabled or (self.window_size <= 1 and self.ngram_size <= 1)

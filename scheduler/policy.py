@@ -24,29 +24,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.cost import StepCostModel
-from scheduler.lookahead import step_tokens
-from scheduler.params import LookaheadParams
+from lookahead_serve.scheduler.cost import StepCostModel
+from lookahead_serve.scheduler.lookahead import step_tokens
+from lookahead_serve.scheduler.params import LookaheadParams
 
 # Expected extra accepted tokens per steady-state step, by (w, n, g): PRIOR_SCALE * (1 - exp(-min(w, g) / 4))
-# * (1 - 2^-(n-1)). Fitted to the default model's compression ratios (benchmarks/RESULTS.md, 2026-12-02):
-# MT-bench chats gain 0.46 / 0.50 / 0.71 / 0.81 at (4,3,4) / (5,3,5) / (7,5,7) / (15,5,15), which this
-# gives as 0.43 / 0.48 / 0.70 / 0.82; code (HumanEval) gains about twice that, which the per-request
-# multiplier learns.
+# * (1 - 2^-(n-1)), fitted to the default model's compression ratios on chat prompts; texts that accept
+# more (code) are learnt by the per-request multiplier. Where this and the constants below come from:
+# docs/scheduling.md.
 PRIOR_SCALE = 0.9
-# Share of lookahead steps whose pool lookup finds candidates (MT-bench chats at (4,3,4): 0.55).
+# Share of lookahead steps whose pool lookup finds candidates (chat prompts).
 PRIOR_HIT_RATE = 0.55
-# What a step without candidates is worth, as a share of the prior: its window's n-grams, for later steps.
-# Measured on the default model, bf16, 4 prompts, concurrency 1 (benchmarks/lookahead.py --window-value):
-# running such steps plainly instead cut the tokens per step of fixed (4,3,4) on MT-bench from 1.333 to 1.264
-# and of (7,4,7) from 1.488 to 1.418; per such step that is 0.18-0.52 of the prior (benchmarks/RESULTS.md).
+# What a step without candidates is worth, as a share of the prior: its window's n-grams, for later steps
+# (benchmarks/lookahead.py --window-value measures it).
 WINDOW_VALUE = 0.3
 # What verifying the candidates a step found is worth, by how many (k) it verifies: a saturating curve,
-# (1 - exp(-k / FOUND_SCALE)), where the prior's own is (1 - exp(-k / 4)). The pool offers its most recent
-# n-grams first, and they are its best: on the default model (bf16, concurrency 1, 8 prompts a set, the
-# adaptive mode) the extra tokens accepted over those the old curve predicted ran about 2x at k = 1, 1.4x
-# at k = 2, 1.2x at k = 3, 1x at k = 4 and 0.7x at k >= 5, on MT-bench and HumanEval alike
-# (benchmarks/RESULTS.md). NOW_SCALE makes the two curves agree at k = 4.
+# (1 - exp(-k / FOUND_SCALE)), steeper than the prior's own (1 - exp(-k / 4)) because the pool offers its
+# most recent n-grams first and they are its best. NOW_SCALE makes the two curves agree at k = 4.
 FOUND_SCALE = 1.0
 NOW_SCALE = (PRIOR_SCALE * (1 - WINDOW_VALUE * PRIOR_HIT_RATE) / PRIOR_HIT_RATE
              * (1 - math.exp(-1.0)) / (1 - math.exp(-4.0 / FOUND_SCALE)))
@@ -106,15 +100,14 @@ class AcceptanceModel:
     """What a request's lookahead steps accept, given the candidates the pool has for them.
 
     The scheduler looks the pool up before it decides, so a step's gain is planned on the candidates it
-    would verify: a step that finds none can accept nothing now (on MT-bench chats at (4,3,4) nearly half
-    of all lookahead steps are such), and one that finds two verifies two, whatever its g. A step's
-    expected extra tokens (beyond the one every step gives) have two parts:
+    would verify: a step that finds none can accept nothing now, and one that finds two verifies two,
+    whatever its g. A step's expected extra tokens (beyond the one every step gives) have two parts:
 
     * **now**: verifying k = min(g, found) candidates of n - 1 tokens, ``NOW_SCALE * (1 - exp(-k /
-      FOUND_SCALE)) * (1 - 2^-(n-1))``: the first candidates the pool offers are worth the most (measured,
-      see ``FOUND_SCALE``);
+      FOUND_SCALE)) * (1 - 2^-(n-1))``: the first candidates the pool offers are worth the most (see
+      ``FOUND_SCALE``);
     * **later**, for a step with a window: its n-grams for later steps, ``WINDOW_VALUE`` of the window's
-      prior (measured, see ``WINDOW_VALUE``). With k = g = 4 the two add up to the prior over
+      prior (see ``WINDOW_VALUE``). With k = g = 4 the two add up to the prior over
       ``PRIOR_HIT_RATE`` (the prior is fitted to all lookahead steps, and about that share of them find
       candidates).
 
@@ -148,9 +141,8 @@ class AcceptanceModel:
         bound: accepted tokens are roughly Poisson, so the error is about sqrt(m / evidence)). What the
         adaptive policy's exploration ranks requests by: the one it knows least about, or whose text suits
         lookahead (code), gets tried, where the bare estimate -- the engine-wide prior, from other requests
-        -- would keep it plain for good. The policy plans with the bare estimate: on the default model the
-        bare figure matched the extra tokens accepted within 6% at concurrency 16, and planning with this
-        one (18% higher there) ran lookahead where it does not pay (benchmarks/RESULTS.md)."""
+        -- would keep it plain for good. The policy plans with the bare estimate: planning with this one
+        over-values lookahead and runs it where it does not pay (docs/scheduling.md)."""
         return self.multipliers(beta)[1] * planned_gain(params, num_found)
 
     def multipliers(self, beta: float = 1.0) -> tuple[float, float]:
@@ -234,15 +226,12 @@ class AdaptivePolicy:
     cannot lock lookahead out for good (0: never). Exploring costs a step's worth of lookahead where it
     may not pay, so the interval backs off: each explored step that did not pay in hindsight (the
     scheduler reports it, ``exploration_paid``) doubles it, up to ``MAX_EXPLORE_BACKOFF`` times
-    ``explore_every``, and one that paid brings it back. On chat text at concurrency 4 on a 2-core CPU,
-    where no lookahead pays, fixed-interval exploration was most of the lookahead steps run and cost about
-    2% of the wall time (benchmarks/RESULTS.md).
+    ``explore_every``, and one that paid brings it back, so that exploring costs little where no lookahead
+    pays.
 
     min_gain: outside exploration, a step runs lookahead only if its expected rate beats the all-plain
-    step's by this share. The step-time model's error is about 5% a step, and the policy picks the steps
-    the model flatters: on the default model (bf16, 2-core CPU) lookahead steps it predicted to beat plain
-    by under 5% ran at 1.00x plain at concurrency 1 and 0.87x at concurrency 4, while those
-    predicted at 1.2-1.5x ran at 1.39x (benchmarks/RESULTS.md)."""
+    step's by this share. The policy picks the steps the step-time model flatters, so a predicted gain
+    within the model's error (about 5% a step) is mostly the winner's curse (docs/scheduling.md)."""
 
     MAX_EXPLORE_BACKOFF = 16
 
@@ -252,9 +241,6 @@ class AdaptivePolicy:
         self.cost = cost_model
         self.explore_every = explore_every
         self.min_gain = min_gain
-        # What lookahead adds to a step, observed over predicted (``LookaheadCostCheck``): the policy plans
-        # a step's cost beyond the all-plain step at this times the model's figure.
-        self.extra_cost_scale = 1.0
         self.explore_interval = explore_every
         self._since_explore = 0
 
@@ -266,13 +252,16 @@ class AdaptivePolicy:
         base_yield: float,
         budget: int,
         base_decodes: int | None = None,
+        cost_scale: float = 1.0,
     ) -> Decision:
         """``options[r]``: request r's rungs (plain, costing 1 token and yielding 1, is implicit);
         ``base_*``: the step without any lookahead (tokens, looped segments, output tokens expected, plain
-        decodes -- by default one per candidate); ``budget``: most extra tokens lookahead may add."""
+        decodes -- by default one per candidate); ``budget``: most extra tokens lookahead may add;
+        ``cost_scale``: what lookahead adds to a step, observed over predicted (``LookaheadCostCheck``):
+        the cost beyond the all-plain step is planned at this times the model's figure."""
         decodes = len(options) if base_decodes is None else base_decodes
         # The model is fixed within a step: each step shape is predicted once.
-        cost = _Memo(self.cost, (base_tokens, base_segments, decodes), self.extra_cost_scale)
+        cost = _Memo(self.cost, (base_tokens, base_segments, decodes), cost_scale)
         start = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
         self._since_explore += 1
         if self.explore_every and self._since_explore >= self.explore_interval and options:
@@ -451,7 +440,8 @@ class FixedPolicy:
 
     name = "fixed"
 
-    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None) -> Decision:
+    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None,
+               cost_scale: float = 1.0) -> Decision:
         decodes = len(options) if base_decodes is None else base_decodes
         d = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
         for r, opts in enumerate(options):

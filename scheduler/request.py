@@ -7,9 +7,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from scheduler.lookahead import LookaheadState
-from scheduler.params import LookaheadParams
-from scheduler.params import SamplingParams
+from lookahead_serve.scheduler.lookahead import LookaheadState
+from lookahead_serve.scheduler.params import LookaheadParams
+from lookahead_serve.scheduler.params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

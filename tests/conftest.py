@@ -77,7 +77,7 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_path():
     """The embedded SmolLM2-135M-Instruct as a safetensors folder (converted once into the cache)."""
-    from engine.loader import resolve_model
+    from lookahead_serve.engine.loader import resolve_model
 
     return resolve_model(None)
 
@@ -109,3 +109,28 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+class RandomRungs:
+    """A lookahead policy that gives every request a random rung of its ladder (or plain decoding) each
+    step: installed as ``scheduler.planner.policy``, it checks that no choice of (w, n, g) changes a token."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        self.rng = random.Random(seed)
+
+    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None, cost_scale=1.0):
+        from lookahead_serve.scheduler.policy import Decision
+
+        choices, tokens = [], base_tokens
+        for opts in options:
+            c = self.rng.randrange(-1, len(opts))
+            if c >= 0 and tokens + opts[c].num_tokens - 1 - base_tokens <= budget:
+                choices.append(c)
+                tokens += opts[c].num_tokens - 1
+            else:
+                choices.append(None)
+        return Decision(choices, tokens, 0, 0.0, 0.0)

@@ -1,4 +1,4 @@
-"""The attention-backend interface and the per-step metadata every layer reads.
+"""The attention-backend interface and the per-step metadata.
 
 A step is one packed batch of ragged segments (one per scheduled request). Each query token attends to
 
@@ -10,10 +10,15 @@ and the two parts are merged exactly by their log-sum-exps. Tokens that are comm
 (prefill chunks, plain decodes) are written to the cache first, so for them (a) and (b) can also be one
 attention over the cache; lookahead segments are transient and always take the split. GPU backends
 implement the same contract.
+
+The runner describes a step once, on the host and for every backend (``CommonAttentionMetadata``). Each
+backend's ``build`` turns that into the metadata its ``forward`` reads (a subclass of
+``AttentionMetadata``), once per step, moving each tensor to the device once; every layer reuses it.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -21,34 +26,75 @@ import numpy as np
 import torch
 
 
+class SegmentKind(enum.Enum):
+    PREFILL = "prefill"  # several committed tokens: written to the cache as the layers run, causal
+    DECODE = "decode"  # one committed token: written, then attends to its prefix and itself in the cache
+    LOOKAHEAD = "lookahead"  # transient tokens under a tree mask: never written by the layers
+
+
 @dataclass
-class AttentionMetadata:
+class CommonAttentionMetadata:
+    """One packed step, backend-neutral, on the host."""
+
     num_tokens: int
+    block_size: int
+    device: torch.device  # where the backends' metadata goes
+    kinds: list[SegmentKind]  # [num_segs]
     query_start_loc: list[int]  # [num_segs + 1] offsets of each segment in the packed batch
     context_lens: list[int]  # [num_segs] cached-prefix length of each segment
-    block_tables: torch.Tensor  # [num_segs, max_blocks] int64
-    slot_mapping: torch.Tensor  # [num_tokens] int64; -1 = transient, never written to the cache
-    block_size: int
-    # Tokens whose K/V go to the cache as the layer runs (all of them, or an index subset).
-    write_all: bool
-    write_token_idx: torch.Tensor  # [num_written]
-    write_slots: torch.Tensor  # [num_written]
-    # Decode segments (one query token) batched together: the token attends to its prefix and itself,
-    # all in the cache once written. Slots are padded with 0 and masked.
-    decode_segs: list[int]
-    decode_token_idx: torch.Tensor  # [num_decodes]
-    decode_slots: torch.Tensor  # [num_decodes, max_ctx + 1] int64
-    decode_mask: torch.Tensor  # [num_decodes, max_ctx + 1] bool
-    other_segs: list[int]  # segments of several tokens, run one by one
-    prefix_slots: list[torch.Tensor | None]  # per segment: slots of its cached prefix (None if empty)
-    seg_masks: list[torch.Tensor | None]  # per segment: in-step tree mask [q, q] (None = causal, written)
-    positions: np.ndarray | None = None  # [num_tokens] absolute position of each token, on the host
-    # What a backend derives from the above once per step and reuses in every layer.
-    backend_cache: dict = field(default_factory=dict, repr=False)
+    positions: np.ndarray  # [num_tokens] int64 absolute position of each token
+    block_table: np.ndarray  # [num_segs, max_blocks] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64; -1 = transient, never written by the layers
+    tree_masks: list[np.ndarray | None]  # per segment: [n, n] bool (True = may attend) of a lookahead segment
+    # Per layer, the (k, v) of every token of a step with lookahead segments: the runner commits the
+    # accepted tokens from it after verification.
+    transient_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def segments(self, kind: SegmentKind) -> list[int]:
+        return [s for s, k in enumerate(self.kinds) if k is kind]
+
+    @property
+    def has_lookahead(self) -> bool:
+        return SegmentKind.LOOKAHEAD in self.kinds
+
+
+@dataclass(kw_only=True)
+class AttentionMetadata:
+    """What every backend's metadata holds: the step's cache writes and its transient K/V record."""
+
+    write_idx: torch.Tensor | None  # [num_written] tokens written as the layers run; None = every token
+    write_slots: torch.Tensor  # [num_written] their slots
+    transient_kv: dict | None  # the step's ``CommonAttentionMetadata.transient_kv`` if it has lookahead segments
+
+    @staticmethod
+    def common_fields(common: CommonAttentionMetadata) -> dict:
+        """The base fields, for a subclass's constructor."""
+        dev = common.device
+        written = np.flatnonzero(common.slot_mapping >= 0)
+        if len(written) == common.num_tokens:
+            idx, slots = None, torch.from_numpy(common.slot_mapping).to(dev)
+        else:
+            idx = torch.from_numpy(written).to(dev)
+            slots = torch.from_numpy(common.slot_mapping[written]).to(dev)
+        return {"write_idx": idx, "write_slots": slots,
+                "transient_kv": common.transient_kv if common.has_lookahead else None}
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the committed tokens' keys and values to the cache."""
+        if self.write_idx is None:
+            kv_cache[0].index_copy_(0, self.write_slots, k)
+            kv_cache[1].index_copy_(0, self.write_slots, v)
+        elif self.write_slots.numel():
+            kv_cache[0].index_copy_(0, self.write_slots, k[self.write_idx])
+            kv_cache[1].index_copy_(0, self.write_slots, v[self.write_idx])
 
 
 class AttentionBackend(ABC):
     name: str
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        """This backend's metadata for one step, on ``common.device``; called once per step."""
 
     @abstractmethod
     def forward(
@@ -57,7 +103,7 @@ class AttentionBackend(ABC):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks * block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
+        meta: AttentionMetadata,  # from this backend's ``build``
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

@@ -12,9 +12,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.attention import AttentionBackend, AttentionMetadata
+from lookahead_serve.engine.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def head_dim(config) -> int:
+    """Per-head width: the config's own, else hidden size over heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class RMSNorm(nn.Module):
@@ -37,23 +42,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.max_positions = max_positions
-        self.register_buffer("cos", torch.empty(max_positions, self._head_dim()), persistent=False)
-        self.register_buffer("sin", torch.empty(max_positions, self._head_dim()), persistent=False)
-
-    def _head_dim(self) -> int:
-        c = self.config
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.register_buffer("cos", torch.empty(max_positions, head_dim(config)), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim(config)), persistent=False)
 
     def build(self) -> None:
         """Fill the tables (after the module is materialised on its device)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        config, head_dim = self.config, self._head_dim()
+        config, dim = self.config, head_dim(self.config)
         rope = getattr(config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type == "default":
             base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim(config)
         self.scale = self.head_dim**-0.5
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         hidden = config.hidden_size
@@ -89,15 +90,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
         self.backend = backend
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, step_kv: list | None) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if step_kv is not None:
-            step_kv.append((k, v))  # kept for a later commit of accepted tokens
+        if meta.transient_kv is not None:
+            meta.transient_kv[self.layer_idx] = (k, v)  # the runner commits accepted lookahead tokens from it
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -122,8 +123,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv_cache, meta, step_kv):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, step_kv)
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -144,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
                 f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         self.config = config
+        self.backend = backend
         self.model = LlamaModel(config, backend, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
@@ -154,13 +156,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # per layer [2, num_slots, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        step_kv: list | None = None,
+        step: CommonAttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        meta = self.backend.build(step)  # once per step, read by every layer
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta, step_kv)
+            h = layer(h, cos, sin, kv_cache, meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

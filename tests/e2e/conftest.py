@@ -9,10 +9,10 @@ from contextlib import contextmanager
 import grpc
 import pytest
 
-from engine import LLM
-from engine.async_engine import AsyncLLMEngine
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
-from proto.server import start_server
+from lookahead_serve.engine import LLM
+from lookahead_serve.engine.async_engine import AsyncLLMEngine
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+from lookahead_serve.proto.server import start_server
 
 
 @contextmanager

@@ -12,8 +12,8 @@ import time
 from contextlib import AbstractContextManager
 from typing import Callable
 
-from engine.async_engine import AsyncLLMEngine
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lookahead_serve.engine.async_engine import AsyncLLMEngine
+from lookahead_serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class IdleEngine:

@@ -14,11 +14,11 @@ import asyncio
 import pytest
 import torch
 
-from engine import LLM, LookaheadParams, SamplingParams
-from engine.async_engine import AsyncLLMEngine, RequestFailedError
-from engine import model_runner
-from engine.model_runner import ModelRunner
-from scheduler.scheduler import Scheduler
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.engine.async_engine import AsyncLLMEngine, RequestFailedError
+from lookahead_serve.engine import model_runner
+from lookahead_serve.engine.model_runner import ModelRunner
+from lookahead_serve.scheduler.scheduler import Scheduler
 
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 8, 41][: 12 + i] for i in range(4)]
 CULPRIT_PROMPT = [7, 1, 8, 2, 8, 1, 8, 2, 8, 95, 4, 5]

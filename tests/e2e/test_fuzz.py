@@ -17,9 +17,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM
-from proto.lookahead.v1 import lookahead_pb2 as pb
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+from lookahead_serve.engine import LLM
+from lookahead_serve.proto.convert import to_lookahead_proto
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 from tests.e2e.conftest import serving
 
 MAX_MODEL_LEN = 64  # bounds the slowest valid request (64 decoding steps of a tiny model)
@@ -79,8 +80,7 @@ def generate_requests(draw) -> pb.GenerateRequest:
     if draw(st.booleans()):
         window, ngram, verification = (draw(_mostly(st.integers(low, high), INT64))
                                        for low, high in ((0, 16), (2, 8), (0, 16)))
-        request.lookahead.CopyFrom(pb.LookaheadParams(enabled=draw(st.booleans()), window_size=window,
-                                                      ngram_size=ngram, verification_set_size=verification))
+        request.lookahead.CopyFrom(to_lookahead_proto((window, ngram, verification), enabled=draw(st.booleans())))
     return request
 
 

@@ -11,8 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine import LLM, LookaheadParams, SamplingParams
-from proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.proto.convert import to_lookahead_proto
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
 from tests.e2e.conftest import running_server
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]
@@ -43,7 +44,7 @@ def test_stream_and_unary_equal_offline(tiny_server):
     assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == len(PROMPT)
     unary = stub.GenerateUnary(_request(max_tokens=24, temperature=0))
     assert list(unary.token_ids) == expected
-    la = pb.LookaheadParams(enabled=True, window_size=5, ngram_size=3, verification_set_size=5)
+    la = to_lookahead_proto((5, 3, 5))
     with_la = stub.GenerateUnary(_request(max_tokens=24, temperature=0, lookahead=la))
     assert list(with_la.token_ids) == expected
     assert with_la.usage.decoding_steps <= 24
@@ -105,10 +106,8 @@ BAD = [
     ("top_k < -1", _request(top_k=-2), "top_k"),
     ("token id outside vocab", _request(ids=[1, 96]), "prompt_token_ids"),
     ("negative token id", _request(ids=[-1]), "prompt_token_ids"),
-    ("window above max", _request(lookahead=pb.LookaheadParams(enabled=True, window_size=99, ngram_size=3,
-                                                               verification_set_size=2)), "window_size"),
-    ("ngram above max", _request(lookahead=pb.LookaheadParams(enabled=True, window_size=4, ngram_size=30,
-                                                              verification_set_size=2)), "ngram_size"),
+    ("window above max", _request(lookahead=to_lookahead_proto((99, 3, 2))), "window_size"),
+    ("ngram above max", _request(lookahead=to_lookahead_proto((4, 30, 2))), "ngram_size"),
     ("unknown model", pb.GenerateRequest(model="gpt-9", token_ids=pb.TokenIds(ids=[1])), "model"),
 ]
 

@@ -43,16 +43,16 @@ def test_serve_config_v2_matches_serve_config(manifest, serve_config):
     assert v2["grpc_options"] == serve_config["grpc_options"]
     assert v2["grpc_options"]["port"] == 9000
     assert v2["grpc_options"]["grpc_servicer_functions"] == [
-        "proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"]
+        "lookahead_serve.proto.lookahead.v1.lookahead_pb2_grpc.add_LookaheadServiceServicer_to_server"]
     assert v2["applications"] == serve_config["applications"]
-    assert v2["applications"][0]["import_path"] == "deploy.ray_app:build_app"
+    assert v2["applications"][0]["import_path"] == "lookahead_serve.deploy.ray_app:build_app"
     assert v2["proxy_location"] == serve_config["proxy_location"] == "EveryNode"
     assert v2["http_options"]["host"] == "0.0.0.0" and serve_config["http_options"]["host"] == "127.0.0.1"
 
 
 def test_both_configs_pass_ray_serves_schema(manifest, serve_config):
     schema = pytest.importorskip("ray.serve.schema")
-    from deploy.ray_app import SERVICER_FUNCTION
+    from lookahead_serve.deploy.ray_app import SERVICER_FUNCTION
 
     replicas = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"]
     for config in (serve_config, yaml.safe_load(manifest["spec"]["serveConfigV2"])):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM
+from lookahead_serve.engine import LLM
 from tests.e2e.conftest import serving
 
 ROOT = Path(__file__).resolve().parents[2]

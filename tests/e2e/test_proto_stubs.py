@@ -12,11 +12,12 @@ STUBS = ("lookahead_pb2.py", "lookahead_pb2_grpc.py", "lookahead_pb2.pyi")
 
 def test_stubs_are_fresh(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT}", f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", "proto/lookahead/v1/lookahead.proto"],
+        [sys.executable, "-m", "grpc_tools.protoc", f"-Ilookahead_serve/proto={ROOT / 'proto'}",
+         f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}",
+         "lookahead_serve/proto/lookahead/v1/lookahead.proto"],
         check=True, cwd=ROOT,
     )
     for name in STUBS:
-        fresh = (tmp_path / "proto/lookahead/v1" / name).read_text()
+        fresh = (tmp_path / "lookahead_serve/proto/lookahead/v1" / name).read_text()
         committed = (ROOT / "proto/lookahead/v1" / name).read_text()
         assert committed == fresh, f"{name} is stale: run `make proto`"

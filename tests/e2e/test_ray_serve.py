@@ -33,9 +33,9 @@ from ray import serve  # noqa: E402
 from ray.serve.config import gRPCOptions  # noqa: E402
 from ray.serve.schema import ApplicationStatus, ProxyStatus  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from proto.lookahead.v1 import lookahead_pb2 as pb  # noqa: E402
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc  # noqa: E402
+from lookahead_serve.engine import LLM, SamplingParams  # noqa: E402
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb  # noqa: E402
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RAY_ENV = {
@@ -91,7 +91,7 @@ def _proxies_healthy() -> bool:
 
 @pytest.fixture(scope="module")
 def ray_serve_app(tiny_llama):
-    from deploy.ray_app import SERVICER_FUNCTION, build_app
+    from lookahead_serve.deploy.ray_app import SERVICER_FUNCTION, build_app
 
     with pytest.MonkeyPatch.context() as mp:
         for name, value in RAY_ENV.items():

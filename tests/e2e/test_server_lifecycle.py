@@ -19,10 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine import LLM
-from engine.cli import main
-from proto.lookahead.v1 import lookahead_pb2 as pb
-from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+from lookahead_serve.engine import LLM
+from lookahead_serve.deploy.cli import main
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 from tests.e2e.conftest import serving
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,7 +127,7 @@ def test_client_command_with_key_and_tls(tiny_llama_chat, tmp_path):
     cert_pem, key_pem = _self_signed(tmp_path)
     llm = LLM(tiny_llama_chat, block_size=8, num_kv_blocks=64)
     with serving(llm, "chat", api_key="k", ssl_cert_pem=cert_pem, ssl_key_pem=key_pem) as (port, _):
-        argv = [sys.executable, "-m", "engine.cli", "client", "hi", "--raw", "--max-tokens", "3",
+        argv = [sys.executable, "-m", "lookahead_serve.deploy.cli", "client", "hi", "--raw", "--max-tokens", "3",
                 "--server", f"localhost:{port}", "--ssl-ca-certfile", str(tmp_path / "cert.pem")]
         env = {**os.environ, "LOOKAHEAD_API_KEY": "k"}
         ok = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
@@ -152,7 +152,7 @@ class ServeProcess:
     """`lookahead-serve serve` on a free port; its output lines are collected on a thread."""
 
     def __init__(self, model: str, *flags: str) -> None:
-        argv = [sys.executable, "-m", "engine.cli", "serve", "--model", model, "--port", "0",
+        argv = [sys.executable, "-m", "lookahead_serve.deploy.cli", "serve", "--model", model, "--port", "0",
                 "--kv-cache-memory-gib", "0.01", "--served-model-name", "tiny", *flags]
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

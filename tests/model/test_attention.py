@@ -1,15 +1,15 @@
-"""The reference backend's split attention (paged prefix + masked in-step part, merged by log-sum-exp)
-against a naive dense-mask oracle, on a packed batch of prefill chunks, decodes and lookahead segments."""
+"""Every backend (the reference: paged prefix + masked in-step part, merged by log-sum-exp) against a naive
+dense-mask oracle, on a packed batch of prefill chunks, decodes and lookahead segments."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.attention import BACKENDS
-from engine.model_runner import build_step_inputs, tree_layout
-from scheduler import ScheduledRequest
-from scheduler.lookahead import LookaheadLayout
+from lookahead_serve.engine.attention import BACKENDS, SegmentKind
+from lookahead_serve.engine.model_runner import build_step_inputs, tree_layout
+from lookahead_serve.scheduler import ScheduledRequest
+from lookahead_serve.scheduler.lookahead import LookaheadLayout
 
 BLOCK = 4
 KV_HEADS, HEADS, DIM = 2, 6, 8
@@ -56,13 +56,14 @@ def test_split_attention_equals_dense_oracle(seed, num_lookahead, backend):
     k = torch.randn(t, KV_HEADS, DIM, generator=gen)
     v = torch.randn(t, KV_HEADS, DIM, generator=gen)
     scale = DIM**-0.5
-    out = BACKENDS[backend]().forward(q, k, v, cache, inputs.meta, scale)
+    impl = BACKENDS[backend]()
+    out = impl.forward(q, k, v, cache, impl.build(inputs.meta), scale)
 
     starts = inputs.meta.query_start_loc
     for i, (ctx, n, lay) in enumerate(plan):
         lo, hi = starts[i], starts[i + 1]
         pk, pv = prefixes[i]
-        step_mask = tree_layout(lay)[1] if lay is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        step_mask = torch.tensor(tree_layout(lay)[1]) if lay is not None else torch.ones(n, n, dtype=torch.bool).tril()
         mask = torch.cat([torch.ones(n, ctx, dtype=torch.bool), step_mask], dim=1)
         want = _oracle(q[lo:hi], torch.cat([pk, k[lo:hi]]), torch.cat([pv, v[lo:hi]]), mask, scale)
         torch.testing.assert_close(out[lo:hi], want, rtol=1e-5, atol=1e-5)
@@ -73,6 +74,7 @@ def test_plain_tokens_are_written_and_lookahead_tokens_are_not():
     segs = [ScheduledRequest("a", [1, 2, 3], 2, [5, 8], sample=True),
             ScheduledRequest("b", [1] * la.num_tokens, 1, [2, 9], sample=True, lookahead=la)]
     inputs = build_step_inputs(segs, BLOCK, torch.device("cpu"))
+    assert inputs.meta.kinds == [SegmentKind.PREFILL, SegmentKind.LOOKAHEAD]
     # positions 2, 3 in block 5 and 4 in block 8; every lookahead token is transient (-1)
     assert inputs.meta.slot_mapping.tolist() == [22, 23, 32] + [-1] * la.num_tokens
     assert inputs.positions.tolist() == [2, 3, 4] + [1 + o for o in la.tree()[0]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
 from tests.conftest import hf_greedy
 from tests.model.test_lookahead_engine import _repetitive_prompts
 

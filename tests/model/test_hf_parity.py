@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from lookahead_serve.engine import LLM, SamplingParams
 from tests.conftest import hf_greedy
 
 

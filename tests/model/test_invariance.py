@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
-from engine import LLM, LookaheadParams, SamplingParams
-from engine.model_runner import _without_onednn, build_step_inputs
-from scheduler import ScheduledRequest
-from scheduler.cost import StepCostModel
-from scheduler.lookahead import LookaheadLayout
-from scheduler.policy import Decision, _set_rung
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.engine.model_runner import _without_onednn, build_step_inputs
+from lookahead_serve.scheduler import ScheduledRequest
+from lookahead_serve.scheduler.cost import StepCostModel
+from lookahead_serve.scheduler.lookahead import LookaheadLayout
+from tests.conftest import RandomRungs
 
 OFF = LookaheadParams(enabled=False)
 BLOCKS_PER_REQ = 24  # 384 slots of 16: enough for every prompt below and its output
@@ -83,7 +83,7 @@ class _Steps:
         inp = build_step_inputs(segs, self.runner.block_size, self.runner.device)
         with _without_onednn():
             hidden = self.model(torch.from_numpy(inp.input_ids), torch.from_numpy(inp.positions),
-                                self.runner.kv_caches, inp.meta, [] if any(s.lookahead for s in segs) else None)
+                                self.runner.kv_caches, inp.meta)
             return self.model.compute_logits(hidden), inp.meta.query_start_loc
 
 
@@ -186,43 +186,25 @@ def test_fixed_lookahead_with_preemption_equals_plain(default_model_path, prompt
 
 
 def test_adaptive_lookahead_equals_plain(bf16_llm, prompts, plain):
-    sched = bf16_llm.engine.scheduler
+    planner = bf16_llm.engine.scheduler.planner
     # a cost curve like bf16's on a 2-core CPU, so the policy mixes plain and lookahead steps
-    sched.cost_model = StepCostModel([1, 8, 16, 32, 64, 128], [0.04, 0.15, 0.28, 0.55, 1.1, 2.2])
-    sched.set_lookahead_policy("adaptive")
+    planner.cost_model = StepCostModel([1, 8, 16, 32, 64, 128], [0.04, 0.15, 0.28, 0.55, 1.1, 2.2])
+    planner.set_policy("adaptive")
     try:
         outs = bf16_llm.generate(prompts, _greedy([LookaheadParams(4, 3, 4)] * len(prompts)))
     finally:
-        sched.set_lookahead_policy("fixed")
-        sched.cost_model = None
+        planner.set_policy("fixed")
+        planner.cost_model = None
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert max(o.metrics.tokens_per_step for o in outs) > 1.0
 
 
-class _RandomPolicy:
-    """Each request runs a random rung of its ladder, or plain decoding."""
-
-    name = "random"
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None) -> Decision:
-        decodes = len(options) if base_decodes is None else base_decodes
-        d = Decision([None] * len(options), base_tokens, base_segments, base_yield, 0.0, decodes)
-        for r, opts in enumerate(options):
-            j = self.rng.randrange(len(opts) + 1)
-            if j < len(opts) and d.num_tokens + opts[j].num_tokens - 1 - base_tokens <= budget:
-                _set_rung(d, options, r, j)
-        return d
-
-
 def test_random_policy_equals_plain(bf16_llm, prompts, plain):
-    sched = bf16_llm.engine.scheduler
-    fixed = sched.policy
-    sched.policy = _RandomPolicy(seed=7)
+    planner = bf16_llm.engine.scheduler.planner
+    fixed = planner.policy
+    planner.policy = RandomRungs(seed=7)
     try:
         outs = bf16_llm.generate(prompts, _greedy([LookaheadParams(3, 3, 3)] * len(prompts)))
     finally:
-        sched.policy = fixed
+        planner.policy = fixed
     assert [o.outputs[0].token_ids for o in outs] == plain

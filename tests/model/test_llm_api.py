@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79, 32, 38, 46, 26, 43], [1, 2, 3]]
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-import engine.model_runner as model_runner
-from engine import LLM, LookaheadParams, SamplingParams
-from engine.verify import Verdict
-from scheduler import ScheduledRequest, SchedulerOutput
-from scheduler.lookahead import LookaheadLayout
-from tests.conftest import hf_greedy
+import lookahead_serve.engine.model_runner as model_runner
+from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.engine.verify import Verdict
+from lookahead_serve.scheduler import ScheduledRequest, SchedulerOutput
+from lookahead_serve.scheduler.lookahead import LookaheadLayout
+from tests.conftest import RandomRungs, hf_greedy
 
 PLAIN = LookaheadParams(enabled=False)
 
@@ -187,35 +187,13 @@ def test_default_model_lookahead_equals_plain_equals_hf(default_model_path):
 # ---- lookahead scheduling: whatever the policy picks, the tokens are plain greedy's ----------------------
 
 
-class _RandomRungs:
-    """A policy that gives every request a random rung of its ladder (or plain decoding) each step."""
-
-    name = "random"
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def choose(self, options, base_tokens, base_segments, base_yield, budget, base_decodes=None):
-        from scheduler.policy import Decision
-
-        choices, tokens = [], base_tokens
-        for opts in options:
-            c = self.rng.randrange(-1, len(opts))
-            if c >= 0 and tokens + opts[c].num_tokens - 1 - base_tokens <= budget:
-                choices.append(c)
-                tokens += opts[c].num_tokens - 1
-            else:
-                choices.append(None)
-        return Decision(choices, tokens, 0, 0.0, 0.0)
-
-
 def test_changing_lookahead_shape_every_step_stays_lossless(tiny_llama):
     prompts = _repetitive_prompts(16, 96, seed=5)
     max_tokens = 40
     expected = hf_greedy(tiny_llama, prompts, max_tokens)
     llm = LLM(tiny_llama, block_size=8, num_kv_blocks=48, max_num_batched_tokens=512, max_num_seqs=16,
               lookahead=LookaheadParams(15, 5, 15), lookahead_policy="fixed")
-    llm.engine.scheduler.policy = _RandomRungs(0)
+    llm.engine.scheduler.planner.policy = RandomRungs(0)
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=None if i % 4 else PLAIN) for i in range(16)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -228,7 +206,7 @@ def test_changing_lookahead_shape_every_step_stays_lossless(tiny_llama):
 
 @pytest.mark.parametrize("cost", ["profiled", "memory-bound", "compute-bound"])
 def test_adaptive_policy_is_lossless(tiny_llama, cost):
-    from scheduler.cost import StepCostModel
+    from lookahead_serve.scheduler.cost import StepCostModel
 
     model = {"profiled": None,
              "memory-bound": StepCostModel([1, 4096], [0.01, 0.01], learning_rate=0.0),
@@ -244,17 +222,17 @@ def test_adaptive_policy_is_lossless(tiny_llama, cost):
         assert llm.engine.lookahead_chosen["7,5,7"] > 0 and max(o.metrics.tokens_per_step for o in outs) > 1.5
     if cost == "compute-bound":  # only the policy's exploration: one segment every 16th step at most
         assert ran <= llm.engine.num_steps // 16 + 1
-    assert llm.engine.scheduler.cost_model.num_observed == llm.engine.num_steps
+    assert llm.engine.scheduler.planner.cost_model.num_observed == llm.engine.num_steps
 
 
 def test_log_schedule_reports_each_step(tiny_llama, caplog):
-    from scheduler.cost import StepCostModel
+    from lookahead_serve.scheduler.cost import StepCostModel
 
     llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5), lookahead_policy="adaptive", log_schedule=True,
               step_cost_model=StepCostModel([1, 4096], [0.01, 0.01], learning_rate=0.0))
-    with caplog.at_level("INFO", logger="engine.schedule"):
+    with caplog.at_level("INFO", logger="lookahead_serve.schedule"):
         llm.generate({"prompt_token_ids": _repetitive_prompts(1, 96, seed=7)[0]}, SamplingParams(temperature=0, max_tokens=8))
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.schedule"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "lookahead_serve.schedule"]
     assert len(lines) == llm.engine.num_steps
     assert "1 prefill chunks" in lines[0] and "predicted 10.0 ms" in lines[0]
     assert any("lookahead: 5,3,5 x1" in line for line in lines[1:])
@@ -263,7 +241,7 @@ def test_log_schedule_reports_each_step(tiny_llama, caplog):
 def test_schedule_metrics_are_exported(tiny_llama):
     from prometheus_client import generate_latest
 
-    from proto.metrics import ServerMetrics
+    from lookahead_serve.proto.metrics import ServerMetrics
 
     llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5), lookahead_policy="fixed")
     metrics = ServerMetrics(llm.engine)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, step_profile
+from lookahead_serve.engine import LLM, step_profile
 
 
 @pytest.fixture
@@ -21,7 +21,7 @@ def _adaptive(path):
 
 def test_a_second_engine_reads_the_saved_profile_and_a_broken_one_is_measured_again(tiny_llama, cache_home, monkeypatch):
     engine = _adaptive(tiny_llama).engine
-    first = engine.scheduler.cost_model
+    first = engine.scheduler.planner.cost_model
     files = list(cache_home.glob("*.json"))
     assert len(files) == 1
     key = step_profile.profile_key(engine.runner, engine.model_path, "SDPABackend", 32)
@@ -32,7 +32,7 @@ def test_a_second_engine_reads_the_saved_profile_and_a_broken_one_is_measured_ag
     profiled = []
     measure = step_profile.profile_step_cost
     monkeypatch.setattr(step_profile, "profile_step_cost", lambda *a, **k: profiled.append(1) or measure(*a, **k))
-    second = _adaptive(tiny_llama).engine.scheduler.cost_model
+    second = _adaptive(tiny_llama).engine.scheduler.planner.cost_model
     assert not profiled
     assert (second.knots, second.seconds, second.per_segment, second.per_decode, second.decode_overhead) == (
         first.knots, first.seconds, first.per_segment, first.per_decode, first.decode_overhead)

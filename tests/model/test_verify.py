@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.verify import verify_greedy, verify_sampling
+from lookahead_serve.engine.verify import verify_greedy, verify_sampling
 
 
 @pytest.mark.parametrize(

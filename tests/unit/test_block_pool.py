@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache import BlockPool, KVBlock
+from lookahead_serve.kv_cache import BlockPool, KVBlock
 
 
 def ids(blocks):

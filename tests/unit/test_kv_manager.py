@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kv_cache import KVCacheManager, build_block_table, compute_slot_mapping, hash_block_tokens
+from lookahead_serve.kv_cache import KVCacheManager, build_block_table, compute_slot_mapping, hash_block_tokens
 
 BS = 4
 

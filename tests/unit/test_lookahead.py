@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import LookaheadLayout, LookaheadParams, LookaheadState, NGramPool
-from scheduler.lookahead import step_tokens
+from lookahead_serve.scheduler import LookaheadLayout, LookaheadParams, LookaheadState, NGramPool
+from lookahead_serve.scheduler.lookahead import step_tokens
 
 
 def test_pool_lru_cap_and_recency():

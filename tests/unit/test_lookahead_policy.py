@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_cache import KVCacheManager
-from scheduler import LookaheadParams, LookaheadState, NGramPool, Request, SamplingParams, Scheduler, SchedulerConfig
-from scheduler.batch import ModelRunnerOutput
-from scheduler.config import LookaheadConfig
-from scheduler.cost import StepCostModel
-from scheduler.lookahead import LookaheadLayout, step_tokens
-from scheduler.objective import makespan_values
-from scheduler.policy import (
+from lookahead_serve.kv_cache import KVCacheManager
+from lookahead_serve.scheduler import LookaheadParams, LookaheadState, NGramPool, Request, SamplingParams, Scheduler, SchedulerConfig
+from lookahead_serve.scheduler.batch import ModelRunnerOutput
+from lookahead_serve.scheduler.config import LookaheadConfig
+from lookahead_serve.scheduler.cost import StepCostModel
+from lookahead_serve.scheduler.lookahead import LookaheadLayout, step_tokens
+from lookahead_serve.scheduler.objective import makespan_values
+from lookahead_serve.scheduler.policy import (
     PRIOR_HIT_RATE,
     WINDOW_VALUE,
     AcceptanceModel,
@@ -364,7 +364,7 @@ def test_the_scheduler_reports_whether_an_explored_step_paid():
     # Compute bound: exploration is the only lookahead. The fake model accepts nothing beyond x, so no
     # explored step pays, and exploration backs off; one that accepts a whole candidate pays.
     s = _adaptive_scheduler(StepCostModel([1, 4096], [0.01, 0.01 + 4095 * 0.002], learning_rate=0.1))
-    s.policy = AdaptivePolicy(s.cost_model, explore_every=2)
+    s.planner.policy = AdaptivePolicy(s.planner.cost_model, explore_every=2)
     for i in range(2):
         s.add_request(_request(f"r{i}"))
 
@@ -372,17 +372,16 @@ def test_the_scheduler_reports_whether_an_explored_step_paid():
         explored = 0
         for _ in range(steps):
             so = s.schedule()
-            d = s.last_decision
-            s.observe_step(s.cost_model.predict(d.num_tokens, d.num_segments, d.num_decodes))
+            stats = replace(so.stats, seconds=so.stats.predicted_seconds)
             sampled = [(accepted if seg.lookahead else [5]) if seg.sample else [] for seg in so.scheduled]
             window = [[5] * (seg.lookahead.num_last_level if seg.lookahead else 0) for seg in so.scheduled]
-            s.update_from_output(so, ModelRunnerOutput([g.req_id for g in so.scheduled], sampled, window))
-            explored += d.explored
+            s.update_from_output(so, ModelRunnerOutput([g.req_id for g in so.scheduled], sampled, window), stats)
+            explored += stats.explored
         return explored
 
-    assert run(12, [5]) >= 2 and s.policy.explore_interval > 2
-    run(s.policy.explore_interval + 1, [5, 6, 7])  # two extra tokens for a few more tokens' time
-    assert s.policy.explore_interval == 2
+    assert run(12, [5]) >= 2 and s.planner.policy.explore_interval > 2
+    run(s.planner.policy.explore_interval + 1, [5, 6, 7])  # two extra tokens for a few more tokens' time
+    assert s.planner.policy.explore_interval == 2
 
 
 def test_the_policy_plans_with_the_expected_gain_and_explores_by_the_optimistic_one():
@@ -407,8 +406,8 @@ def test_fixed_policy_runs_each_maximum_while_the_budget_lasts():
 
 
 def _adaptive_scheduler(cost: StepCostModel, budget: int = 2048, num_blocks: int = 256) -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512, lookahead_policy="adaptive",
-                          lookahead=LookaheadConfig(default=MAX), lookahead_explore_every=0)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=512,
+                          lookahead=LookaheadConfig(default=MAX, policy="adaptive", explore_every=0))
     return Scheduler(cfg, KVCacheManager(num_blocks, 4), cost)
 
 
@@ -476,8 +475,8 @@ def test_every_rung_offered_plans_the_segment_it_claims():
     s.add_request(Request("b", list(prompt), params))
     _run(s, 1)  # the prefill samples 5 for both
     a, b = s.requests["a"], s.requests["b"]
-    opts = s._options(a)
-    assert [(o.params, o.num_tokens) for o in opts] == [(o.params, o.num_tokens) for o in s._options(b)]
+    opts = s.planner._options(a)
+    assert [(o.params, o.num_tokens) for o in opts] == [(o.params, o.num_tokens) for o in s.planner._options(b)]
     assert MAX in [o.params for o in opts]
     verify = [o.params for o in opts if o.params.verify_only]
     assert verify and len(set(verify)) == len(verify) and all(p.verification_set_size <= 2 for p in verify)
@@ -489,17 +488,18 @@ def test_every_rung_offered_plans_the_segment_it_claims():
             state.resize(o.params.window_size, o.params.ngram_size)
             layout, tokens = state.plan(5, o.params.verification_set_size)
         assert layout.num_tokens == len(tokens) == o.num_tokens, o.params
-    half = s._options(a, 0.5)
+    half = s.planner._options(a, 0.5)
     assert [o.expected_extra for o in half] == [o.expected_extra * 0.5 for o in opts]
     assert [o.optimistic_extra for o in half] == [o.optimistic_extra * 0.5 for o in opts]
     a.num_computed_tokens = s.config.max_model_len - 8  # as if near the end: only short segments fit
-    near = s._options(a)
+    near = s.planner._options(a)
     assert near and MAX not in [o.params for o in near]
     assert {o.params for o in near} < {o.params for o in opts}
 
 
 def test_a_verification_only_request_runs_the_pool_and_nothing_else():
-    cfg = SchedulerConfig(max_num_batched_tokens=256, max_model_len=512, lookahead=LookaheadConfig(default=LookaheadParams(0, 5, 4)))
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_model_len=512,
+                          lookahead=LookaheadConfig(default=LookaheadParams(0, 5, 4), policy="fixed"))
     s = Scheduler(cfg, KVCacheManager(64, 4))
     params = SamplingParams(temperature=0, max_tokens=64)
     s.add_request(Request("hit", [9, 5, 6, 7, 8, 1, 2, 3], params))  # 5 is followed by 6 7 8 1 in the prompt
@@ -507,7 +507,7 @@ def test_a_verification_only_request_runs_the_pool_and_nothing_else():
     hit, miss = _run(s, 2)[-1].scheduled  # the prefill samples 5 for both, then the first decode step
     assert hit.lookahead == LookaheadLayout(0, 1, 1, 4) and hit.token_ids == [5, 6, 7, 8, 1]
     assert miss.lookahead is None  # nothing to verify: a plain decode
-    assert s.last_lookahead == [LookaheadParams(0, 5, 1)]
+    assert _run(s, 0) == [] and s.planner.policy.name == "fixed"
 
 
 def test_switching_policy_between_steps_takes_effect_on_the_next_step():
@@ -515,31 +515,35 @@ def test_switching_policy_between_steps_takes_effect_on_the_next_step():
     for i in range(2):
         s.add_request(_request(f"r{i}"))
     assert all(seg.lookahead is None for so in _run(s, 2) for seg in so.scheduled)
-    s.set_lookahead_policy("fixed")
-    assert s.config.lookahead_policy == "fixed"
+    s.planner.set_policy("fixed")
+    assert s.planner.config.policy == "fixed"
     assert all(seg.lookahead is not None for seg in _run(s, 1)[0].scheduled)
-    s.set_lookahead_policy("adaptive")
+    s.planner.set_policy("adaptive")
     assert all(seg.lookahead is None for seg in _run(s, 1)[0].scheduled)
-    with pytest.raises(ValueError, match="lookahead_policy"):
-        s.set_lookahead_policy("greedy")
-    plain = Scheduler(SchedulerConfig(max_model_len=64), KVCacheManager(16, 4))
+    with pytest.raises(ValueError, match="lookahead policy"):
+        s.planner.set_policy("greedy")
+    plain = Scheduler(SchedulerConfig(max_model_len=64, lookahead=LookaheadConfig(policy="fixed")), KVCacheManager(16, 4))
     with pytest.raises(ValueError, match="step-cost model"):
-        plain.set_lookahead_policy("adaptive")
+        plain.planner.set_policy("adaptive")
+    with pytest.raises(ValueError, match="step-cost model"):
+        Scheduler(SchedulerConfig(max_model_len=64), KVCacheManager(16, 4))  # adaptive, the default
 
 
 
 def test_exploration_backed_off_carries_over_a_policy_switch():
-    cfg = replace(_adaptive_scheduler(linear_cost()).config, lookahead_explore_every=4)
+    cfg = _adaptive_scheduler(linear_cost()).config
+    cfg = replace(cfg, lookahead=replace(cfg.lookahead, explore_every=4))
     s = Scheduler(cfg, KVCacheManager(256, 4), linear_cost())
+    planner = s.planner
     for _ in range(3):
-        s.policy.exploration_paid(False)
-    s.set_lookahead_policy("fixed")
-    s.set_lookahead_policy("adaptive")
-    assert s.policy.explore_interval == 32  # not back to 4, as a server that never switched
-    s.policy.exploration_paid(True)
-    s.config = replace(s.config, lookahead_explore_every=8)  # a new base interval starts afresh
-    s.set_lookahead_policy("adaptive")
-    assert s.policy.explore_every == s.policy.explore_interval == 8
+        planner.policy.exploration_paid(False)
+    planner.set_policy("fixed")
+    planner.set_policy("adaptive")
+    assert planner.policy.explore_interval == 32  # not back to 4, as a server that never switched
+    planner.policy.exploration_paid(True)
+    planner.config = replace(planner.config, explore_every=8)  # a new base interval starts afresh
+    planner.set_policy("adaptive")
+    assert planner.policy.explore_every == planner.policy.explore_interval == 8
 
 def test_prefill_keeps_its_place_in_the_budget():
     s = _adaptive_scheduler(flat_cost(), budget=64)
@@ -593,9 +597,8 @@ def test_optimism_shrinks_with_evidence():
 
 
 def _closed_batch(objective: str, cost: StepCostModel, max_tokens: dict[str, int]) -> Scheduler:
-    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_model_len=512, lookahead_policy="adaptive",
-                          lookahead=LookaheadConfig(default=MAX), lookahead_explore_every=0,
-                          lookahead_objective=objective)
+    cfg = SchedulerConfig(max_num_batched_tokens=2048, max_model_len=512,
+                          lookahead=LookaheadConfig(default=MAX, policy="adaptive", explore_every=0, objective=objective))
     s = Scheduler(cfg, KVCacheManager(256, 4), cost)
     for rid, n in max_tokens.items():  # the fake model outputs 5, and the pool has continuations of 5
         s.add_request(Request(rid, [5, 6, 7, 8, 9] * 2 + [1, 2], SamplingParams(temperature=0, max_tokens=n)))
@@ -612,19 +615,21 @@ def test_makespan_values_of_the_worked_example():
 def test_makespan_values_follow_the_chance_of_finishing_last():
     cost = StepCostModel([1, 512], [1.0, 1.0], per_decode=0.1 / 0.9 * 1.0, learning_rate=0.0)
     s = _closed_batch("makespan", cost, {"a": 101, "b": 101, "c": 91, "d": 61})
-    s.early_stops.early = 0.0  # every request so far ran to its bound
+    s.planner.early_stops.early = 0.0  # every request so far ran to its bound
     _run(s, 1)  # the prefill: one token each, so 100, 100, 90 and 60 left
     # A plain decode adds 0.111 to a step of 4 x 0.111 + 1.0 (m / C = 0.077): the docstring's example.
-    values = s._token_values(4, 0, 4)
+    values = s.planner._token_values(4, 0, 4, s.running, bool(s.waiting))
     assert values["a"] == values["b"] == 1.0
     assert 1.0 > values["c"] > values["d"] > 0.0
     assert values["c"] == pytest.approx(0.49, abs=0.02) and values["d"] == pytest.approx(0.20, abs=0.02)
-    s.early_stops.early = s.early_stops.ended  # every request so far stopped early: the bound tells little
-    blurred = s._token_values(4, 0, 4)
+    s.planner.early_stops.early = s.planner.early_stops.ended  # every request so far stopped early: the bound tells little
+    blurred = s.planner._token_values(4, 0, 4, s.running, bool(s.waiting))
     assert blurred["c"] > values["c"] and blurred["d"] > values["d"] + 0.3
     s.add_request(_request("waiting"))  # with a request waiting (max_num_seqs is 64, but it is not admitted
-    assert s._token_values(4, 0, 4) is None  # until the next step), every token is worth the same
-    assert _closed_batch("throughput", cost, {"a": 101, "b": 61})._token_values(2, 0, 2) is None
+    # until the next step), every token is worth the same
+    assert s.planner._token_values(4, 0, 4, s.running, bool(s.waiting)) is None
+    t = _closed_batch("throughput", cost, {"a": 101, "b": 61})
+    assert t.planner._token_values(2, 0, 2, t.running, False) is None
 
 
 def test_makespan_gives_lookahead_to_the_request_that_would_finish_last():
@@ -635,7 +640,7 @@ def test_makespan_gives_lookahead_to_the_request_that_would_finish_last():
     throughput = _run(_closed_batch("throughput", cost, spans), 3)[-1].scheduled
     assert [seg.lookahead is not None for seg in throughput] == [True, True]
     s = _closed_batch("makespan", cost, spans)
-    s.early_stops.early = 0.0
+    s.planner.early_stops.early = 0.0
     makespan = _run(s, 3)[-1].scheduled
     assert [(seg.req_id, seg.lookahead is not None) for seg in makespan] == [("long", True), ("short", False)]
     # Equally far from the end, the two objectives choose alike.
@@ -646,9 +651,9 @@ def test_makespan_gives_lookahead_to_the_request_that_would_finish_last():
 
 def test_the_share_of_early_stops_is_learnt_from_finished_requests():
     s = _closed_batch("makespan", flat_cost(), {"a": 2, "b": 2})
-    assert s.early_stops.share == pytest.approx(0.5)
+    assert s.planner.early_stops.share == pytest.approx(0.5)
     _run(s, 3)  # both run to max_tokens
-    assert s.early_stops.share < 0.5
+    assert s.planner.early_stops.share < 0.5
 
 
 def test_lookahead_cost_check_learns_the_ratio_of_observed_to_predicted_extra_cost():
@@ -671,8 +676,7 @@ def test_the_policy_plans_lookahead_at_the_checked_cost():
     opts = [[Option(LookaheadParams(4, 3, 4), 16, 0.2)] for _ in range(2)]
     policy = AdaptivePolicy(cost)
     assert policy.choose(opts, 2, 0, 2.0, 4096).choices == [0, 0]
-    policy.extra_cost_scale = 2.0
-    assert policy.choose(opts, 2, 0, 2.0, 4096).choices == [None, None]
+    assert policy.choose(opts, 2, 0, 2.0, 4096, cost_scale=2.0).choices == [None, None]
 
 
 def test_lookahead_inside_the_min_gain_runs_plain():
@@ -690,23 +694,22 @@ def test_lookahead_inside_the_min_gain_runs_plain():
 
 def test_the_scheduler_passes_the_configured_min_gain_to_the_policy():
     s = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.0))
-    assert s.policy.min_gain == SchedulerConfig().lookahead_min_gain == 0.05
-    s.config = replace(s.config, lookahead_min_gain=0.2)
-    s.set_lookahead_policy("adaptive")
-    assert s.policy.min_gain == 0.2
+    assert s.planner.policy.min_gain == LookaheadConfig().min_gain == 0.05
+    s.planner.config = replace(s.planner.config, min_gain=0.2)
+    s.planner.set_policy("adaptive")
+    assert s.planner.policy.min_gain == 0.2
 
 
 def test_the_cost_check_learns_from_the_adaptive_policys_steps_only():
     s = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.1))
-    s.set_lookahead_policy("fixed")
+    s.planner.set_policy("fixed")
     s.add_request(_request("a"))
     _run(s, 1)
     for _ in range(8):
-        _run(s, 1)
-        d = s.last_decision
+        d = _run(s, 1)[0].stats
         assert d.predicted_seconds > d.plain_seconds > 0 and not d.adaptive
-        s.observe_step(3 * d.predicted_seconds)
-    assert s.lookahead_cost.weight == 0
+        s.planner.observe(replace(d, seconds=3 * d.predicted_seconds), 1)
+    assert s.planner.lookahead_cost.weight == 0
 
 
 def test_the_scheduler_feeds_the_cost_check_from_its_lookahead_steps():
@@ -714,15 +717,14 @@ def test_the_scheduler_feeds_the_cost_check_from_its_lookahead_steps():
     s.add_request(_request("a"))
     _run(s, 1)
     for _ in range(6):
-        _run(s, 1)
-        d = s.last_decision
-        assert d.predicted_seconds > d.plain_seconds > 0
-        s.observe_step(d.plain_seconds + 3 * (d.predicted_seconds - d.plain_seconds))  # it cost three times more
-    assert s.lookahead_cost.weight > 5 and s.policy.extra_cost_scale == 1.0
-    s.schedule()
-    assert s.policy.extra_cost_scale == 2.0  # clamped
+        d = _run(s, 1)[0].stats
+        assert d.predicted_seconds > d.plain_seconds > 0 and d.cost_scale == 1.0
+        # it cost three times more
+        s.planner.observe(replace(d, seconds=d.plain_seconds + 3 * (d.predicted_seconds - d.plain_seconds)), 1)
+    assert s.planner.lookahead_cost.weight > 5
+    assert s.schedule().stats.cost_scale == 2.0  # clamped
     frozen = _adaptive_scheduler(StepCostModel([1, 512], [0.010, 0.0151], learning_rate=0.0))
     frozen.add_request(_request("a"))
-    _run(frozen, 2)
-    frozen.observe_step(1.0)
-    assert frozen.lookahead_cost.weight == 0  # a frozen model (tests inject them) is not corrected either
+    d = _run(frozen, 2)[-1].stats
+    frozen.planner.observe(replace(d, seconds=1.0), 1)
+    assert frozen.planner.lookahead_cost.weight == 0  # a frozen model (tests inject them) is not corrected either

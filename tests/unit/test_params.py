@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler import SamplingParams
+from lookahead_serve.scheduler import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kv_cache import KVCacheManager
-from scheduler import (
+from lookahead_serve.kv_cache import KVCacheManager
+from lookahead_serve.scheduler import (
+    LookaheadConfig,
+    LookaheadParams,
     ModelRunnerOutput,
     Request,
     RequestStatus,
@@ -26,6 +28,7 @@ from scheduler import (
 )
 
 Token = int | Callable[[ScheduledRequest], int]
+PLAIN_ONLY = LookaheadConfig(default=LookaheadParams(enabled=False), policy="fixed")
 
 
 # ---- helpers -----------------------------------------------------------------------------------
@@ -40,7 +43,8 @@ def make_scheduler(
     caching: bool = True,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=max_model_len,
+                             lookahead=PLAIN_ONLY)
     return Scheduler(config, kv)
 
 
@@ -128,12 +132,21 @@ def test_scheduler_needs_max_model_len():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("max_num_batched_tokens", 0), ("max_num_seqs", 0), ("max_model_len", 0), ("max_num_seqs", -3),
-     ("lookahead_min_gain", -0.1), ("lookahead_min_gain", 1.0), ("lookahead_min_gain", "5%")],
+    [("max_num_batched_tokens", 0), ("max_num_seqs", 0), ("max_model_len", 0), ("max_num_seqs", -3)],
 )
 def test_config_rejects_bad_limits(field, value):
     with pytest.raises(ValueError, match=field):
         SchedulerConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("min_gain", -0.1), ("min_gain", 1.0), ("min_gain", "5%"), ("explore_every", -1), ("policy", "greedy"),
+     ("objective", "latency"), ("max_window_size", -1)],
+)
+def test_lookahead_config_rejects_bad_settings(field, value):
+    with pytest.raises(ValueError, match=field.split("_")[-1]):
+        LookaheadConfig(**{field: value})
 
 
 def test_duplicate_request_id_raises():
@@ -688,8 +701,8 @@ def test_empty_schedule_when_idle():
 
 def test_packages_import_without_torch_or_engine():
     code = (
-        "import sys, kv_cache, scheduler, scheduler.scheduler, kv_cache.manager\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine'))\n"
+        "import sys, lookahead_serve.kv_cache, lookahead_serve.scheduler.scheduler, lookahead_serve.kv_cache.manager\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('lookahead_serve.engine'))\n"
         "assert not bad, bad\n"
     )
     repo_root = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.lookahead.v1 import lookahead_pb2 as proto_dot_lookahead_dot_v1_dot_lookahead__pb2
+from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/lookahead/v1/lookahead_pb2_grpc.py depends on'
+        + ' but the generated code in lookahead_serve/proto/lookahead/v1/lookahead_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class LookaheadServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/lookahead.v1.LookaheadService/Generate',
-                request_serializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
+                request_serializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateUnary = channel.unary_unary(
                 '/lookahead.v1.LookaheadService/GenerateUnary',
-                request_serializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
+                request_serializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/lookahead.v1.LookaheadService/GetModelInfo',
-                request_serializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.ModelInfo.FromString,
+                request_serializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -79,18 +79,18 @@ def add_LookaheadServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.FromString,
+                    response_serializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateUnary': grpc.unary_unary_rpc_method_handler(
                     servicer.GenerateUnary,
-                    request_deserializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.FromString,
+                    response_serializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=proto_dot_lookahead_dot_v1_dot_lookahead__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,8 +118,8 @@ class LookaheadService:
             request,
             target,
             '/lookahead.v1.LookaheadService/Generate',
-            proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
-            proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
+            lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
+            lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -145,8 +145,8 @@ class LookaheadService:
             request,
             target,
             '/lookahead.v1.LookaheadService/GenerateUnary',
-            proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
-            proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
+            lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateRequest.SerializeToString,
+            lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -172,8 +172,8 @@ class LookaheadService:
             request,
             target,
             '/lookahead.v1.LookaheadService/GetModelInfo',
-            proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GetModelInfoRequest.SerializeToString,
-            proto_dot_lookahead_dot_v1_dot_lookahead__pb2.ModelInfo.FromString,
+            lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.GetModelInfoRequest.SerializeToString,
+            lookahead__serve_dot_proto_dot_lookahead_dot_v1_dot_lookahead__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

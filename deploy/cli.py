@@ -1,4 +1,4 @@
-"""The ``lookahead-serve`` command line."""
+"""The ``lookahead-serve`` command line. It sits above the engine: it knows the gRPC server and client."""
 
 from __future__ import annotations
 
@@ -7,51 +7,24 @@ import sys
 import time
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype; auto = bfloat16 on CUDA and on CPUs with native bf16 "
-                        "(avx512_bf16 or AMX), else float32 (default: %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token cap (default: the model's)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    p.add_argument("--kv-cache-memory-gib", type=float, default=1.0, help="KV cache size (default: %(default)s)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "sdpa", "invariant"],
-                   help="auto = invariant in bfloat16/float16 (a token's bits never depend on its batch), sdpa in "
-                        "float32; torch = the log-sum-exp split reference (default: %(default)s)")
-    p.add_argument("--lookahead-policy", default="adaptive", choices=["fixed", "adaptive"],
-                   help="fixed: every request runs its (W,N,G); adaptive: each step picks (w,n,g) up to it from a "
-                        "step-cost model profiled once per machine and cached (default: %(default)s)")
-    p.add_argument("--lookahead-objective", choices=["throughput", "makespan"], default=None,
-                   help="what the adaptive policy maximises: throughput (tokens per second; the default for serve) "
-                        "or makespan (the whole batch done soonest; the default for generate)")
+def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """A flag for every engine config field (deploy.flags), and the schedule log."""
+    from lookahead_serve.deploy.flags import add_config_flags
+
+    add_config_flags(p, skip)
     p.add_argument("--log-schedule", action="store_true",
                    help="log every step's tokens, chosen (w,n,g) and predicted vs observed time")
 
 
-def _lookahead(text: str):
-    from engine import LookaheadParams
-
-    if text == "off":
-        return LookaheadParams(enabled=False)
-    try:
-        w, n, g = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected off or W,N,G (e.g. 7,5,7), got {text!r}") from None
-    try:
-        return LookaheadParams(w, n, g)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _generate(args: argparse.Namespace) -> int:
-    from engine import SamplingParams
+    from lookahead_serve.engine import SamplingParams
 
-    llm = _engine_from_args(args, "makespan")
+    llm = _engine_from_args(args)
     prompt = args.prompt
     if not args.raw:
         prompt = llm.engine.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, lookahead=args.lookahead)
+                            max_tokens=args.max_tokens)  # lookahead: the engine's default (--lookahead)
     start = time.perf_counter()
     last = None
     for out in llm.stream(prompt, params):
@@ -72,19 +45,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_from_args(args: argparse.Namespace, objective: str):
-    """objective: the --lookahead-objective to use when the flag is not given."""
-    from engine import LLM
+def _engine_from_args(args: argparse.Namespace):
+    from lookahead_serve.deploy.flags import engine_config
+    from lookahead_serve.engine import LLM
 
     if args.log_schedule:
         import logging
 
         logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-        logging.getLogger("engine.schedule").setLevel(logging.INFO)
-    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size,
-               kv_cache_memory_gib=args.kv_cache_memory_gib, attention_backend=args.attention_backend,
-               lookahead_policy=args.lookahead_policy, lookahead_objective=args.lookahead_objective or objective,
-               log_schedule=args.log_schedule)
+        logging.getLogger("lookahead_serve.schedule").setLevel(logging.INFO)
+    return LLM.from_config(engine_config(args), log_schedule=args.log_schedule)
 
 
 def _read_pem(path: str, flag: str) -> bytes:
@@ -117,13 +87,14 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from engine.async_engine import AsyncLLMEngine
-    from engine.loader import DEFAULT_MODEL_NAME
-    from proto.server import serve_forever
+    from lookahead_serve.engine.async_engine import AsyncLLMEngine
+    from lookahead_serve.engine.loader import DEFAULT_MODEL_NAME
+    from lookahead_serve.proto.server import serve_forever
 
     options = _serve_options(args)
-    llm = _engine_from_args(args, "throughput")  # requests come and go: every token counts alike
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else os.path.basename(os.path.normpath(args.model)))
+    llm = _engine_from_args(args)
+    model = vars(args)["model.model"]
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)))
     engine = AsyncLLMEngine(llm.engine, max_live_requests=args.max_live_requests)
     try:  # SIGTERM and SIGINT drain the server and return; Ctrl-C before it is up lands here
         asyncio.run(serve_forever(engine, name, args.host, args.port, args.metrics_port,
@@ -138,8 +109,9 @@ def _client(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from proto.lookahead.v1 import lookahead_pb2 as pb
-    from proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
+    from lookahead_serve.proto.convert import to_lookahead_proto
+    from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
+    from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 
     request = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))
     if args.raw:
@@ -149,9 +121,7 @@ def _client(args: argparse.Namespace) -> int:
     if args.seed is not None:
         request.sampling.seed = args.seed
     if args.lookahead is not None:
-        la = args.lookahead
-        request.lookahead.CopyFrom(pb.LookaheadParams(enabled=not la.is_plain, window_size=la.window_size,
-                                                      ngram_size=la.ngram_size, verification_set_size=la.verification_set_size))
+        request.lookahead.CopyFrom(to_lookahead_proto(args.lookahead))
     api_key = args.api_key or os.environ.get("LOOKAHEAD_API_KEY")
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     if args.ssl_ca_certfile is not None:
@@ -181,13 +151,17 @@ def _client(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, lookahead: bool) -> None:
+    """The request's flags; ``lookahead``: a per-request --lookahead (the client's; generate sets the engine's)."""
+    from lookahead_serve.deploy.flags import lookahead_arg
+
     p.add_argument("prompt", help="the user message (or raw text with --raw)")
     p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--lookahead", type=_lookahead, default=None, metavar="W,N,G|off",
-                   help="lookahead window, n-gram size and verification set size, or off (default: the engine's, 5,3,5)")
+    if lookahead:
+        p.add_argument("--lookahead", type=lookahead_arg, default=None, metavar="W,N,G|off",
+                       help="lookahead window, n-gram size and verification set size, or off (default: the server's)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
 
 
@@ -195,10 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lookahead-serve", description="LLM serving engine with lookahead decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="stream one answer from the model to the terminal")
-    _add_sampling_args(gen)
+    _add_sampling_args(gen, lookahead=False)
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
-    _add_engine_args(gen)
+    _add_engine_args(gen, skip=("seed",))  # --seed is the request's
     gen.set_defaults(func=_generate)
 
     srv = sub.add_parser("serve", help="serve the model over gRPC (LookaheadService, health, reflection)")
@@ -222,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
 
     cli = sub.add_parser("client", help="stream an answer from a running server")
-    _add_sampling_args(cli)
+    _add_sampling_args(cli, lookahead=True)
     cli.add_argument("--server", default="127.0.0.1:50051", help="host:port (default: %(default)s)")
     cli.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default: %(default)s)")
     cli.add_argument("--api-key", default=None, help="the server's API key (default: env LOOKAHEAD_API_KEY)")
