@@ -50,6 +50,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lookahead_serve.proto.convert import to_lookahead_proto
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 
@@ -151,7 +152,7 @@ def make_request(question: str, max_tokens: int, lookahead: bool, ignore_eos: bo
     request = pb.GenerateRequest(sampling=sampling)
     request.chat.messages.add(role="user", content=question)
     if not lookahead:
-        request.lookahead.CopyFrom(pb.LookaheadParams(enabled=False))
+        request.lookahead.CopyFrom(to_lookahead_proto(None))
     return request
 
 

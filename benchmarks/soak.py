@@ -64,6 +64,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import serving  # benchmarks/serving.py, beside this script: its health wait
+from lookahead_serve.proto.convert import to_lookahead_proto
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 
@@ -167,10 +168,8 @@ class Spec:
 
 def _lookahead(la: tuple[int, int, int] | None, enabled: bool = True) -> pb.LookaheadParams | None:
     if not enabled:
-        return pb.LookaheadParams(enabled=False)
-    if la is None:
-        return None
-    return pb.LookaheadParams(enabled=True, window_size=la[0], ngram_size=la[1], verification_set_size=la[2])
+        return to_lookahead_proto(None)
+    return None if la is None else to_lookahead_proto(la)
 
 
 def _with_prompt(rng: random.Random, prompts: Prompts, info: ServerInfo, long: bool, sampling: pb.SamplingParams):
