@@ -21,6 +21,10 @@ class ModelConfig:
     dtype: str = _help("weights and KV cache dtype: auto = bfloat16 on CUDA and on CPUs with native bf16 "
                        "(avx512_bf16 or AMX), else float32", choices=_DTYPES, default="auto")
     max_model_len: int | None = _help("prompt + output token cap (default: the model's)", default=None)
+    quantization: str = _help("auto = a GGUF file's Q4_0/Q4_1/Q8_0 linear weights kept as shipped and run by the "
+                              "block-quantized CPU kernel (x86-64 with AVX2), activations in bfloat16; none = "
+                              "weights dequantized (equal to Hugging Face in float32)",
+                              choices=("auto", "gguf", "none"), default="auto")
     device: str = _help("cpu or cuda[:N]", default="cpu")
     seed: int = _help("seed of the engine's sampler for requests without one", default=0)
     attention_backend: str = _help("auto = invariant in bfloat16/float16 (a token's bits never depend on what "
@@ -28,6 +32,8 @@ class ModelConfig:
                                    default="auto")
 
     def __post_init__(self) -> None:
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise ValueError(f"quantization must be one of auto, gguf, none, got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -64,12 +70,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # max_model_len None: the model's
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """"auto" -> "bfloat16" on CUDA and on CPUs with native bf16 arithmetic (oneDNN's check: avx512_bf16 or
-    AMX), else "float32": without it, CPU bf16 GEMMs run a scalar-ish fallback several times slower."""
+def resolve_dtype(dtype: str, device: str, quantization: str = "none") -> str:
+    """"auto" -> "bfloat16" on CUDA, with block-quantized weights (their kernel takes bfloat16 activations and
+    the bf16 attention is shape-invariant) and on CPUs with native bf16 arithmetic (oneDNN's check:
+    avx512_bf16 or AMX), else "float32": without it, CPU bf16 GEMMs run a scalar-ish fallback several times
+    slower."""
     if dtype != "auto":
         return dtype
-    if device.startswith("cuda"):
+    if device.startswith("cuda") or quantization == "gguf":
         return "bfloat16"
     import torch
 

@@ -40,6 +40,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        quantization: str = "auto",
         device: str = "cpu",
         seed: int = 0,
         attention_backend: str = "auto",
@@ -59,7 +60,7 @@ class LLM:
     ) -> None:
         self._init(
             EngineConfig(
-                model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+                model=ModelConfig(model=model, dtype=dtype, quantization=quantization, device=device, seed=seed, max_model_len=max_model_len,
                                   attention_backend=attention_backend),
                 cache=CacheConfig(
                     block_size=block_size,

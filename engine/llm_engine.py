@@ -14,9 +14,11 @@ import torch
 from lookahead_serve.engine.attention import BACKENDS, get_backend
 from lookahead_serve.engine.config import EngineConfig, resolve_dtype
 from lookahead_serve.engine.detokenizer import IncrementalDetokenizer
-from lookahead_serve.engine.loader import cache_root, load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from lookahead_serve.engine.loader import (cache_root, gguf_source, load_hf_config, load_state_dict, load_tokenizer,
+                                           resolve_model)
 from lookahead_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from lookahead_serve.engine.models.llama import LlamaForCausalLM
+from lookahead_serve.engine.quant import load_packed, resolve_quantization
 from lookahead_serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lookahead_serve.engine.step_profile import cached_step_cost
 from lookahead_serve.kv_cache import KVCacheManager
@@ -57,6 +59,7 @@ class ModelInfo:
     block_size: int  # tokens per KV block
     num_kv_blocks: int
     attention_backend: str  # engine.attention.BACKENDS name
+    quantization: str  # "gguf" (block-quantized linears) or "none"
     lookahead: LookaheadConfig  # the default (W, N, G) and the most a request may ask for
     lookahead_policy: str  # "fixed" or "adaptive"
     lookahead_objective: str  # "throughput" or "makespan"
@@ -94,7 +97,9 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.device = torch.device(mc.device)
-        self.dtype = _DTYPES[resolve_dtype(mc.dtype, mc.device)]
+        gguf_file = gguf_source(mc.model)
+        self.quantization = resolve_quantization(mc.quantization, gguf_file, mc.device)
+        self.dtype = _DTYPES[resolve_dtype(mc.dtype, mc.device, self.quantization)]
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         max_model_len = mc.max_model_len or model_max
@@ -108,7 +113,11 @@ class LLMEngine:
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
             model = LlamaForCausalLM(self.hf_config, backend, max_model_len)
         model = model.to_empty(device=self.device)
-        model.load_weights(load_state_dict(self.model_path))
+        packed = load_packed(gguf_file, self.hf_config, self.model_path / "blockq") if self.quantization == "gguf" else {}
+        skip = model.block_weight_names(packed)
+        model.load_weights(load_state_dict(self.model_path, skip), skip)
+        if packed:
+            model.use_block_weights(packed)
         self.model = model.to(dtype=self.dtype).eval()
 
         cc = config.cache
@@ -119,7 +128,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype, mc.seed)
         if cost_model is None and sched_cfg.lookahead.policy == "adaptive":
             cost_model = cached_step_cost(self.runner, self.model_path, type(backend).__name__,
-                                          sched_cfg.max_num_batched_tokens, cache_root() / "step-cost")
+                                          sched_cfg.max_num_batched_tokens, cache_root() / "step-cost", self.quantization)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager, cost_model)
         self.log_schedule = log_schedule
         self.lookahead_chosen: Counter[str] = Counter()  # (w,n,g) label -> lookahead segments run
@@ -159,6 +168,7 @@ class LLMEngine:
             block_size=self.kv_manager.block_size,
             num_kv_blocks=self.kv_manager.pool.num_blocks,
             attention_backend=self._backend_name,
+            quantization=self.quantization,
             lookahead=cfg.lookahead,
             lookahead_policy=cfg.lookahead.policy,
             lookahead_objective=cfg.lookahead.objective,

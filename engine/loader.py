@@ -47,6 +47,20 @@ def default_model_file() -> Path:
     return path
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file behind ``model`` (None = the embedded default), or None for a Hugging Face folder."""
+    if model is None:
+        return default_model_file()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Return a local Hugging Face folder for ``model`` (None = the embedded default), converting GGUF once."""
     if model is None:
@@ -119,15 +133,17 @@ def load_hf_config(folder: Path):
     return AutoConfig.from_pretrained(folder)
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def load_state_dict(folder: Path, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The folder's weights, but those named in ``skip`` (never read from disk)."""
+    from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as st:
+            state.update((name, st.get_tensor(name)) for name in st.keys() if name not in skip)
     return state
 
 

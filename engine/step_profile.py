@@ -144,21 +144,24 @@ def _model_key(model_path: Path) -> list:
     return [str(model_path)] + [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
 
 
-def profile_key(runner, model_path: Path, backend: str, max_tokens: int) -> str:
-    """What a profile depends on: the machine (processor, threads, device), the model, dtype, attention
-    backend, step budget and the profile's own version."""
+def profile_key(runner, model_path: Path, backend: str, max_tokens: int, quantization: str = "none") -> str:
+    """What a profile depends on: the machine (processor, threads, device), the model, its quantization,
+    dtype, attention backend, step budget and the profile's own version."""
     device = runner.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     parts = [PROFILE_VERSION, platform.machine(), device_name, torch.__version__, torch.get_num_threads(),
              _model_key(model_path), str(runner.kv_caches[0].dtype), backend, runner.block_size, max_tokens]
+    if quantization != "none":  # keeps the keys of dequantized models' profiles as they were
+        parts.append(quantization)
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 
-def cached_step_cost(runner, model_path: Path, backend: str, max_tokens: int, cache_dir: Path) -> StepCostModel:
+def cached_step_cost(runner, model_path: Path, backend: str, max_tokens: int, cache_dir: Path,
+                     quantization: str = "none") -> StepCostModel:
     """The step-cost profile for this machine, model, dtype and backend: read from ``cache_dir`` when it was
     measured before, else measured now (``profile_step_cost``) and saved. The live fit corrects the saved
     profile as steps run, as it corrects a fresh one."""
-    path = Path(cache_dir) / f"{profile_key(runner, model_path, backend, max_tokens)}.json"
+    path = Path(cache_dir) / f"{profile_key(runner, model_path, backend, max_tokens, quantization)}.json"
     try:
         fields = json.loads(path.read_text())
         cost = StepCostModel(**fields)

@@ -88,13 +88,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=getattr(config, "attention_bias", False))
+        self.qkv_proj: nn.Module | None = None  # q, k and v in one call (block-quantized models)
         self.backend = backend
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            kv = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if meta.transient_kv is not None:
@@ -110,9 +116,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # gate and up in one call (block-quantized models)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -150,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.block_head: nn.Module | None = None  # a block-quantized output layer (float32 logits)
 
     def forward(
         self,
@@ -166,15 +178,54 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.block_head is not None:
+            return self.block_head(hidden)
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face state dict in (the module may come from ``to_empty``) and build rope tables."""
+    def use_block_weights(self, packed: dict) -> None:
+        """Swap the linear layers named in ``packed`` (engine.quant.load_packed: per layer qkv_proj, o_proj,
+        gate_up_proj, down_proj, and lm_head) for block-quantized ones, keeping their biases (call after
+        ``load_weights``, which skips ``block_weight_names(packed)``)."""
+        from lookahead_serve.engine.quant import BlockQuantLinear
+
+        def block(name, biases=(), out_dtype=None):
+            p = packed[name]
+            bias = torch.cat([b.detach() for b in biases]) if biases and all(b is not None for b in biases) else None
+            return BlockQuantLinear(p.packed, p.out_features, p.in_features, p.q4, bias, out_dtype)
+
+        for i, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = block(prefix + "self_attn.qkv_proj", [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            attn.o_proj = block(prefix + "self_attn.o_proj", [attn.o_proj.bias])
+            mlp.gate_up_proj = block(prefix + "mlp.gate_up_proj", [mlp.gate_proj.bias, mlp.up_proj.bias])
+            mlp.down_proj = block(prefix + "mlp.down_proj", [mlp.down_proj.bias])
+            del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        if "lm_head" in packed:
+            self.block_head = block("lm_head", out_dtype=torch.float32)
+            if not self.tie_word_embeddings:
+                del self.lm_head
+
+    @staticmethod
+    def block_weight_names(packed: dict) -> set[str]:
+        """The Hugging Face weights that ``use_block_weights(packed)`` replaces."""
+        parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+                 "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+        names = {"lm_head.weight"} if "lm_head" in packed else set()
+        for name in packed:
+            for fused, originals in parts.items():
+                if name.endswith(fused):
+                    names.update(f"{name[: -len(fused)]}{fused.split('.')[0]}.{o}.weight" for o in originals)
+        return names
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], skip: set[str] = frozenset()) -> None:
+        """Copy a Hugging Face state dict in (the module may come from ``to_empty``) and build rope tables.
+        Weights named in ``skip`` are neither needed nor read."""
         params = dict(self.named_parameters())
-        missing = set(params)
+        missing = set(params) - set(skip)
         for name, tensor in state_dict.items():
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            if (name == "lm_head.weight" and self.tie_word_embeddings) or name in skip:
                 continue
             if name not in params:
                 if "rotary_emb" in name:

@@ -68,7 +68,7 @@ CHAT_PROMPTS = [
 
 @pytest.mark.slow
 def test_default_model_chat_matches_hf(default_model_path):
-    llm = LLM()
+    llm = LLM(quantization="none", dtype="float32")  # the dequantized weights: the path equal to Hugging Face
     prompts = [llm.engine.apply_chat_template([{"role": "user", "content": m}]) for m in CHAT_PROMPTS]
     token_ids = [llm.tokenizer(p).input_ids for p in prompts]
     expected = hf_greedy(default_model_path, token_ids, 64)

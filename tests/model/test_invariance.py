@@ -1,4 +1,6 @@
 """Shape invariance in bfloat16 on the real model: a token's bits do not depend on what shares its step.
+Every test runs twice: on the dequantized weights and on the GGUF file's block-quantized ones (the
+default on x86 CPUs, engine/quant).
 
 Layer level: every linear, the norms and rotary give a row the same bits for M = 1..64 rows. Attention: a
 token's logits are the same whether it is a plain decode (alone or in a batch), the last token of a prefill
@@ -16,6 +18,8 @@ import torch
 
 from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
 from lookahead_serve.engine.model_runner import _without_onednn, build_step_inputs
+from lookahead_serve.engine.quant import BlockQuantLinear
+from lookahead_serve.engine.quant.kernel import unavailable_reason
 from lookahead_serve.scheduler import ScheduledRequest
 from lookahead_serve.scheduler.cost import StepCostModel
 from lookahead_serve.scheduler.lookahead import LookaheadLayout
@@ -25,9 +29,19 @@ OFF = LookaheadParams(enabled=False)
 BLOCKS_PER_REQ = 24  # 384 slots of 16: enough for every prompt below and its output
 
 
+@pytest.fixture(scope="module", params=["dequantized", "gguf"])
+def weights(request, default_model_path):
+    """How the model's weights are held: LLM keyword arguments."""
+    if request.param == "gguf":
+        if (reason := unavailable_reason()) is not None:
+            pytest.skip(reason)
+        return {"model": None, "quantization": "gguf"}
+    return {"model": default_model_path, "quantization": "none"}
+
+
 @pytest.fixture(scope="module")
-def bf16_llm(default_model_path):
-    return LLM(default_model_path, dtype="bfloat16", lookahead_policy="fixed", num_kv_blocks=16 * BLOCKS_PER_REQ,
+def bf16_llm(weights):
+    return LLM(**weights, dtype="bfloat16", lookahead_policy="fixed", num_kv_blocks=16 * BLOCKS_PER_REQ,
                enable_prefix_caching=False)
 
 
@@ -40,8 +54,8 @@ def test_linears_norms_rotary_are_row_invariant(bf16_llm):
     model = bf16_llm.engine.model
     layer = model.model.layers[0]
     gen = torch.Generator().manual_seed(0)
-    linears = {name: mod for name, mod in layer.named_modules() if isinstance(mod, torch.nn.Linear)}
-    assert len(linears) >= 5  # q, k, v, o (or fused) and the MLP's
+    linears = {name: mod for name, mod in layer.named_modules() if isinstance(mod, (torch.nn.Linear, BlockQuantLinear))}
+    assert len(linears) >= 4  # q, k, v, o (or qkv and o) and the MLP's (or gate_up and down)
     with _without_onednn():
         for name, lin in [*linears.items(), ("output layer", model.compute_logits)]:
             x = torch.randn(64, model.config.hidden_size if name == "output layer" else lin.in_features,
@@ -174,9 +188,9 @@ def test_alone_equals_in_a_batch(bf16_llm, prompts, plain):
     assert alone == plain
 
 
-def test_fixed_lookahead_with_preemption_equals_plain(default_model_path, prompts, plain):
+def test_fixed_lookahead_with_preemption_equals_plain(weights, prompts, plain):
     # 52 blocks of 16 for twelve requests of up to ~230 tokens: requests are preempted and recomputed.
-    llm = LLM(default_model_path, dtype="bfloat16", lookahead_policy="fixed", num_kv_blocks=52,
+    llm = LLM(**weights, dtype="bfloat16", lookahead_policy="fixed", num_kv_blocks=52,
               enable_prefix_caching=False, max_num_batched_tokens=128)
     configs = [LookaheadParams(2, 3, 2), LookaheadParams(3, 3, 1), LookaheadParams(0, 3, 3), OFF]
     outs = llm.generate(prompts, _greedy(configs[i % len(configs)] for i in range(len(prompts))))

@@ -28,6 +28,7 @@ def test_a_second_engine_reads_the_saved_profile_and_a_broken_one_is_measured_ag
     assert files[0].stem == key
     assert step_profile.profile_key(engine.runner, engine.model_path, "SDPABackend", 64) != key
     assert step_profile.profile_key(engine.runner, engine.model_path, "TorchReferenceBackend", 32) != key
+    assert step_profile.profile_key(engine.runner, engine.model_path, "SDPABackend", 32, "gguf") != key
 
     profiled = []
     measure = step_profile.profile_step_cost
