@@ -18,8 +18,8 @@ from lookahead_serve.engine.loader import (cache_root, gguf_source, load_hf_conf
                                            resolve_model)
 from lookahead_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from lookahead_serve.engine.models.llama import LlamaForCausalLM
-from lookahead_serve.engine.quant import load_packed, resolve_quantization
 from lookahead_serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from lookahead_serve.engine.quant import load_packed, resolve_quantization
 from lookahead_serve.engine.step_profile import cached_step_cost
 from lookahead_serve.kv_cache import KVCacheManager
 from lookahead_serve.scheduler import LookaheadConfig, Request, RequestStatus, SamplingParams, Scheduler
@@ -99,6 +99,15 @@ class LLMEngine:
         self.device = torch.device(mc.device)
         gguf_file = gguf_source(mc.model)
         self.quantization = resolve_quantization(mc.quantization, gguf_file, mc.device)
+        packed = {}
+        if self.quantization == "gguf":
+            try:
+                packed = load_packed(gguf_file, self.hf_config, self.model_path / "blockq")
+            except (ValueError, RuntimeError) as e:  # a layer type the kernel does not hold; no build
+                if mc.quantization == "gguf":
+                    raise
+                logger.info("weights dequantized: %s", e)
+                self.quantization = "none"
         self.dtype = _DTYPES[resolve_dtype(mc.dtype, mc.device, self.quantization)]
 
         model_max = int(getattr(self.hf_config, "max_position_embeddings", 2048))
@@ -113,7 +122,6 @@ class LLMEngine:
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
             model = LlamaForCausalLM(self.hf_config, backend, max_model_len)
         model = model.to_empty(device=self.device)
-        packed = load_packed(gguf_file, self.hf_config, self.model_path / "blockq") if self.quantization == "gguf" else {}
         skip = model.block_weight_names(packed)
         model.load_weights(load_state_dict(self.model_path, skip), skip)
         if packed:
