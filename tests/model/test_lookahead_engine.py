@@ -174,7 +174,7 @@ CHAT = ["Write a short story about a robot who learns to paint.", "Explain how a
 
 @pytest.mark.slow
 def test_default_model_lookahead_equals_plain_equals_hf(default_model_path):
-    llm = LLM(max_num_batched_tokens=2048, lookahead_policy="fixed")
+    llm = LLM(quantization="none", dtype="float32", max_num_batched_tokens=2048, lookahead_policy="fixed")
     prompts = [llm.engine.apply_chat_template([{"role": "user", "content": m}]) for m in CHAT] + CODE_PROMPTS
     expected = hf_greedy(default_model_path, [llm.tokenizer(p).input_ids for p in prompts], 64)
     for la in (PLAIN, LookaheadParams(15, 5, 15), LookaheadParams(5, 3, 5), LookaheadParams(4, 3, 4),
