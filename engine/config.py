@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from lookahead_serve.scheduler.config import SchedulerConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "gguf", "none")  # engine.quant imports it
 
 
 def _help(text: str, choices: tuple[str, ...] | None = None, **kw):
@@ -24,7 +25,7 @@ class ModelConfig:
     quantization: str = _help("auto = a GGUF file's Q4_0/Q4_1/Q8_0 linear weights kept as shipped and run by the "
                               "block-quantized CPU kernel (x86-64 with AVX2), activations in bfloat16; none = "
                               "weights dequantized (equal to Hugging Face in float32)",
-                              choices=("auto", "gguf", "none"), default="auto")
+                              choices=QUANTIZATIONS, default="auto")
     device: str = _help("cpu or cuda[:N]", default="cpu")
     seed: int = _help("seed of the engine's sampler for requests without one", default=0)
     attention_backend: str = _help("auto = invariant in bfloat16/float16 (a token's bits never depend on what "
@@ -32,8 +33,8 @@ class ModelConfig:
                                    default="auto")
 
     def __post_init__(self) -> None:
-        if self.quantization not in ("auto", "gguf", "none"):
-            raise ValueError(f"quantization must be one of auto, gguf, none, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -63,17 +63,12 @@ def gguf_source(model: str | os.PathLike | None) -> Path | None:
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Return a local Hugging Face folder for ``model`` (None = the embedded default), converting GGUF once."""
-    if model is None:
-        return convert_gguf(default_model_file())
+    gguf = gguf_source(model)
+    if gguf is not None:
+        return convert_gguf(gguf)
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return convert_gguf(ggufs[0])
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
     raise ValueError(
         f"model {str(model)!r} is not a Hugging Face folder (config.json + safetensors) or a .gguf file; "
         "models are never downloaded"

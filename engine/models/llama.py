@@ -191,7 +191,10 @@ class LlamaForCausalLM(nn.Module):
 
         def block(name, biases=(), out_dtype=None):
             p = packed[name]
-            bias = torch.cat([b.detach() for b in biases]) if biases and all(b is not None for b in biases) else None
+            has = [b is not None for b in biases]
+            if any(has) and not all(has):
+                raise ValueError(f"{name}: only some of the fused projections have a bias")
+            bias = torch.cat([b.detach() for b in biases]) if any(has) else None
             return BlockQuantLinear(p.packed, p.out_features, p.in_features, p.q4, bias, out_dtype)
 
         for i, layer in enumerate(self.model.layers):
@@ -210,11 +213,11 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def block_weight_names(packed: dict) -> set[str]:
         """The Hugging Face weights that ``use_block_weights(packed)`` replaces."""
-        parts = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
-                 "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
+        from lookahead_serve.engine.quant import FUSED
+
         names = {"lm_head.weight"} if "lm_head" in packed else set()
         for name in packed:
-            for fused, originals in parts.items():
+            for fused, originals in FUSED.items():
                 if name.endswith(fused):
                     names.update(f"{name[: -len(fused)]}{fused.split('.')[0]}.{o}.weight" for o in originals)
         return names

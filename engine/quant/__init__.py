@@ -16,15 +16,19 @@ from pathlib import Path
 
 import torch
 
+from lookahead_serve.engine.config import QUANTIZATIONS
 from lookahead_serve.engine.quant.kernel import unavailable_reason
 from lookahead_serve.engine.quant.linear import BlockQuantLinear, BlockWeight, pack
 
-__all__ = ["BlockQuantLinear", "BlockWeight", "PackedWeight", "QUANTIZATIONS", "load_packed", "resolve_quantization"]
+__all__ = ["BlockQuantLinear", "BlockWeight", "FUSED", "PackedWeight", "QUANTIZATIONS", "load_packed",
+           "resolve_quantization"]
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "gguf", "none")
 CACHE_VERSION = 1
+# Per decoder layer: each block-quantized linear -> the Hugging Face projections it replaces, in row order.
+FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "self_attn.o_proj": ("o_proj",),
+         "mlp.gate_up_proj": ("gate_proj", "up_proj"), "mlp.down_proj": ("down_proj",)}
 
 
 @dataclass
@@ -42,7 +46,6 @@ def resolve_quantization(quantization: str, gguf_file: Path | None, device: str)
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "none":
         return "none"
-    reason = None
     if gguf_file is None:
         reason = "the model is not a GGUF file"
     elif device != "cpu":
@@ -62,11 +65,9 @@ def _fused(weights: dict[str, BlockWeight], num_layers: int, tied: bool) -> dict
     out = {}
     for i in range(num_layers):
         p = f"model.layers.{i}."
-        out[p + "self_attn.qkv_proj"] = BlockWeight.concat(
-            [weights[p + f"self_attn.{x}_proj.weight"] for x in ("q", "k", "v")])
-        out[p + "self_attn.o_proj"] = weights[p + "self_attn.o_proj.weight"]
-        out[p + "mlp.gate_up_proj"] = BlockWeight.concat([weights[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
-        out[p + "mlp.down_proj"] = weights[p + "mlp.down_proj.weight"]
+        for name, parts in FUSED.items():
+            ws = [weights[f"{p}{name.split('.')[0]}.{x}.weight"] for x in parts]
+            out[p + name] = ws[0] if len(ws) == 1 else BlockWeight.concat(ws)
     head = weights.get("model.embed_tokens.weight" if tied else "lm_head.weight")
     if head is not None:
         out["lm_head"] = head

@@ -76,6 +76,28 @@ def test_rejects_shapes_and_dtypes_it_cannot_hold():
     assert resolve_quantization("auto", None, "cpu") == "none"
 
 
+def test_a_fused_projection_needs_all_or_none_of_its_biases():
+    from transformers import LlamaConfig
+
+    from lookahead_serve.engine.models.llama import LlamaForCausalLM
+    from lookahead_serve.engine.quant import FUSED, PackedWeight
+    from lookahead_serve.engine.quant.linear import pack
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, attention_bias=True)
+    packed = {}
+    for name, parts in FUSED.items():
+        w = _weight(64 * len(parts), 64, True, seed=0)
+        packed["model.layers.0." + name] = PackedWeight(pack(w), *w.shape, True)
+    model = LlamaForCausalLM(cfg, None, 8)
+    model.use_block_weights(packed)
+    assert model.model.layers[0].self_attn.qkv_proj.bias.shape == (192,)
+    model = LlamaForCausalLM(cfg, None, 8)
+    model.model.layers[0].self_attn.k_proj.bias = None
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj"):
+        model.use_block_weights(packed)
+
+
 @pytest.mark.slow
 def test_gguf_blocks_dequantize_to_the_converted_weights(default_model_path):
     """The default model's Q4_1 / Q8_0 blocks, read as stored (q/k rows put back in Hugging Face's rotary
