@@ -17,7 +17,7 @@ from lookahead_serve.engine.detokenizer import IncrementalDetokenizer
 from lookahead_serve.engine.loader import (cache_root, gguf_source, load_hf_config, load_state_dict, load_tokenizer,
                                            resolve_model)
 from lookahead_serve.engine.model_runner import ModelRunner, kv_bytes_per_block
-from lookahead_serve.engine.models.llama import LlamaForCausalLM
+from lookahead_serve.engine.models.llama import LlamaForCausalLM, head_dim
 from lookahead_serve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from lookahead_serve.engine.quant import load_packed, resolve_quantization
 from lookahead_serve.engine.step_profile import cached_step_cost
@@ -117,7 +117,7 @@ class LLMEngine:
         sched_cfg = replace(config.scheduler, max_model_len=max_model_len)
 
         torch.manual_seed(mc.seed)
-        backend = get_backend(mc.attention_backend, mc.device, self.dtype)
+        backend = get_backend(mc.attention_backend, mc.device, self.dtype, head_dim(self.hf_config))
         self._backend_name = next(name for name, cls in BACKENDS.items() if type(backend) is cls)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
             model = LlamaForCausalLM(self.hf_config, backend, max_model_len)

@@ -22,13 +22,16 @@ from lookahead_serve.engine.attention.torch_ref import TorchReferenceBackend
 BACKENDS = {"torch": TorchReferenceBackend, "sdpa": SDPABackend, "invariant": InvariantBackend}
 
 
-def get_backend(name: str = "auto", device: str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionBackend:
+def get_backend(name: str = "auto", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                head_dim: int | None = None) -> AttentionBackend:
     if name == "auto":
         # bfloat16 / float16: invariant, so lookahead never changes a greedy token. float32: sdpa, the fastest
         # CPU backend (docs/attention.md); float32 is exact against Hugging Face, not bitwise shape-invariant.
         name = "sdpa" if dtype == torch.float32 else "invariant"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
+    if name == "invariant":
+        return InvariantBackend(device, head_dim)  # its C kernel on CPUs that run it
     return BACKENDS[name]()
 
 

@@ -21,23 +21,122 @@ increasing position, as a plain decode of the same token does once it is committ
 kind (decodes, prefill chunks, lookahead segments), built once per step. Measured invariant in bfloat16 and
 float16 on CPU (``tests/model/test_invariance.py``); float32 uses the ``sdpa`` backend, whose matmuls
 are not (docs/batch-invariance.md).
+
+On an x86 CPU with AVX2 (``engine.native``) the backend runs one C kernel per layer instead
+(``paged_cpu.c``): per query and head, the keys in position order straight from the paged cache and the
+step, a fixed reduction over head_dim and over keys (key j in vector lane j % 8): the same property without
+padding, gathers or dense masks. Elsewhere (GPU tensors, no compiler) the torch formulation above runs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from lookahead_serve.engine.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata, SegmentKind
 from lookahead_serve.engine.attention.shared import PaddedBatch, cached_keys, padded_batch
 
 LANES = 16
+SOURCE = Path(__file__).with_name("paged_cpu.c")
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def kernel_supports(head_dim: int | None) -> bool:
+    """Whether the C kernel runs here for this head width (None: any the kernel takes)."""
+    from lookahead_serve.engine.native import unavailable_reason
+
+    return unavailable_reason() is None and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    from lookahead_serve.engine.native import load
+
+    lib = load(SOURCE)
+    i, l, p = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
+    lib.paged_attention.restype = i
+    lib.paged_attention.argtypes = [i, i, i, i, i, p, l, p, l, p, l, p, p, p, p, i, i, p, p, p, p, ctypes.c_float, p, i]
+    return lib
+
+
+@dataclass
+class KeyPlan:
+    """The C kernel's view of a step: token t (written to cache slot ``slots[t]`` first if that is >= 0) sees
+    the first ``num_cached[t]`` positions of its segment's block-table row, then the step's tokens
+    ``chain_idx[chain_ptr[t]:chain_ptr[t + 1]]``."""
+
+    slots: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [S, max_blocks] int64
+    tok_seg: torch.Tensor  # [T] int32
+    num_cached: torch.Tensor  # [T] int32
+    chain_ptr: torch.Tensor  # [T + 1] int32
+    chain_idx: torch.Tensor  # [num chain keys] int32
+
+
+def key_plan(common: CommonAttentionMetadata) -> KeyPlan:
+    """Committed tokens (written to the cache before attention) see positions 0..p in the cache; a lookahead
+    token sees the cached prefix, then its ancestors and itself (a chain: one token per position)."""
+    starts = np.asarray(common.query_start_loc, dtype=np.int64)
+    lens = np.diff(starts)
+    tok_seg = np.repeat(np.arange(len(lens), dtype=np.int32), lens)
+    num_cached = common.positions.astype(np.int32) + 1
+    chain_len = np.zeros(common.num_tokens, dtype=np.int32)
+    chains = []
+    for s in common.segments(SegmentKind.LOOKAHEAD):
+        lo, hi = starts[s], starts[s + 1]
+        mask = common.tree_masks[s]
+        num_cached[lo:hi] = common.context_lens[s]
+        chain_len[lo:hi] = mask.sum(1)
+        chains.append(np.nonzero(mask)[1].astype(np.int32) + np.int32(lo))  # row-major: each row's chain in order
+    chain_ptr = np.zeros(common.num_tokens + 1, dtype=np.int32)
+    np.cumsum(chain_len, out=chain_ptr[1:])
+    chain_idx = np.concatenate(chains) if chains else np.zeros(1, dtype=np.int32)
+    if common.num_tokens and int(num_cached.max()) > common.block_table.shape[1] * common.block_size:
+        raise ValueError("a segment's keys reach past its block table")  # the kernel would read out of bounds
+    return KeyPlan(torch.from_numpy(np.ascontiguousarray(common.slot_mapping, dtype=np.int64)),
+                   torch.from_numpy(np.ascontiguousarray(common.block_table, dtype=np.int64)),
+                   *(torch.from_numpy(x) for x in (tok_seg, num_cached, chain_ptr, chain_idx)))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with heads and D packed (rows may be strided), as the kernel reads it."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def attend_kernel(q, k, v, kv_cache: torch.Tensor, plan: KeyPlan, block_size: int, scale: float) -> torch.Tensor:
+    """The C kernel over a whole step (writing the committed tokens' k, v first): q [T, H, D]; k, v [T, KVH, D]
+    (the step's); kv_cache [2, slots, KVH, D], contiguous."""
+    T, H, D = q.shape
+    kvh = k.shape[1]
+    if not (q.dtype == k.dtype == v.dtype == kv_cache.dtype) or q.dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"the invariant CPU kernel takes one of {list(_KERNEL_DTYPES)}, got q {q.dtype}, "
+                         f"cache {kv_cache.dtype}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("the invariant CPU kernel needs a contiguous KV cache")
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    out = torch.empty(T, H, D, dtype=q.dtype)
+    if T:
+        rc = _library().paged_attention(
+            T, H, kvh, D, _KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+            v.data_ptr(), v.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), plan.slots.data_ptr(),
+            plan.block_table.data_ptr(),
+            plan.block_table.shape[1], block_size, plan.tok_seg.data_ptr(), plan.num_cached.data_ptr(),
+            plan.chain_ptr.data_ptr(), plan.chain_idx.data_ptr(), scale, out.data_ptr(), torch.get_num_threads())
+        if rc:
+            raise MemoryError("the invariant attention kernel could not allocate its scratch memory")
+    return out
 
 
 @dataclass(kw_only=True)
 class InvariantMetadata(AttentionMetadata):
-    groups: list[PaddedBatch]  # one padded batch per segment kind present: decodes, prefill chunks, lookahead
+    groups: list[PaddedBatch]  # torch path: one padded batch per segment kind present (decodes, prefill, lookahead)
+    plan: KeyPlan | None = None  # C kernel path
+    block_size: int = 0
 
 
 def _columns(positions, tree) -> list[int]:
@@ -73,7 +172,19 @@ def attend_invariant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
 class InvariantBackend(AttentionBackend):
     name = "invariant"
 
+    def __init__(self, device: str | torch.device = "cpu", head_dim: int | None = None, impl: str = "auto") -> None:
+        """impl: ``kernel`` (the C kernel, CPU), ``torch``, or ``auto`` = the kernel where it runs."""
+        if impl not in ("auto", "kernel", "torch"):
+            raise ValueError(f"impl must be auto, kernel or torch, got {impl!r}")
+        if impl == "kernel" and not kernel_supports(head_dim):
+            raise ValueError("the invariant CPU kernel does not run here (see engine.native.unavailable_reason)")
+        on_cpu = torch.device(device).type == "cpu"
+        self.use_kernel = impl == "kernel" or (impl == "auto" and on_cpu and kernel_supports(head_dim))
+
     def build(self, common: CommonAttentionMetadata) -> InvariantMetadata:
+        if self.use_kernel:
+            return InvariantMetadata(**AttentionMetadata.common_fields(common), groups=[], plan=key_plan(common),
+                                     block_size=common.block_size)
         starts = common.query_start_loc
         groups = [padded_batch(common, segs, align=LANES)
                   for segs in (common.segments(SegmentKind.DECODE), common.segments(SegmentKind.PREFILL)) if segs]
@@ -84,6 +195,8 @@ class InvariantBackend(AttentionBackend):
         return InvariantMetadata(**AttentionMetadata.common_fields(common), groups=groups)
 
     def forward(self, q, k, v, kv_cache, meta: InvariantMetadata, scale: float) -> torch.Tensor:
+        if meta.plan is not None:
+            return attend_kernel(q, k, v, kv_cache, meta.plan, meta.block_size, scale)
         meta.write_kv(kv_cache, k, v)
         out = torch.empty_like(q)
         for b in meta.groups:

@@ -8,11 +8,14 @@ to ``generate`` token for token in float32. Attention goes through the engine's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from lookahead_serve.engine.attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from lookahead_serve.engine.models import cpu_ops
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -33,6 +36,14 @@ class RMSNorm(nn.Module):
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, h: torch.Tensor, delta: torch.Tensor | None, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(h + delta), h + delta); ``native``: one C call that adds into ``h`` in place."""
+        if native:
+            return cpu_ops.add_rms_norm(h, delta, self.weight, self.eps), h
+        if delta is not None:
+            h = h + delta
+        return self.forward(h), h
 
 
 class RotaryEmbedding(nn.Module):
@@ -69,6 +80,17 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
+@dataclass
+class Rope:
+    """One step's rotary embedding: per-token cos / sin in the model's dtype [T, 1, D] (torch), or, with
+    ``native`` (the C operations), the float32 tables [max_pos, D] and the positions."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    native: bool
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -91,7 +113,7 @@ class Attention(nn.Module):
         self.qkv_proj: nn.Module | None = None  # q, k and v in one call (block-quantized models)
         self.backend = backend
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope: Rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv_proj is not None:
             kv = self.num_kv_heads * self.head_dim
@@ -101,8 +123,12 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if rope.native:  # in place, on the projection's output
+            cpu_ops.rotary_(q, rope.positions, rope.cos, rope.sin)
+            cpu_ops.rotary_(k, rope.positions, rope.cos, rope.sin)
+        else:
+            q = q * rope.cos + _rotate_half(q) * rope.sin
+            k = k * rope.cos + _rotate_half(k) * rope.sin
         if meta.transient_kv is not None:
             meta.transient_kv[self.layer_idx] = (k, v)  # the runner commits accepted lookahead tokens from it
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
@@ -134,9 +160,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, delta, rope: Rope, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, delta) -> the next layer's (h, delta): the residual stream and the MLP output not yet added."""
+        x, h = self.input_layernorm.add_forward(h, delta, rope.native)
+        x, h = self.post_attention_layernorm.add_forward(h, self.self_attn(x, rope, kv_cache, meta), rope.native)
+        return h, self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -172,10 +200,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         meta = self.backend.build(step)  # once per step, read by every layer
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions, h.dtype)
+        rotary = self.model.rotary
+        if native := cpu_ops.runs_on(h):
+            rope = Rope(positions.contiguous(), rotary.cos, rotary.sin, True)
+        else:
+            rope = Rope(positions, *rotary(positions, h.dtype), False)
+        delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+            h, delta = layer(h, delta, rope, kv_cache, meta)
+        return self.model.norm.add_forward(h, delta, native)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.block_head is not None:

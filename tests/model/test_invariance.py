@@ -2,8 +2,8 @@
 Every test runs twice: on the dequantized weights and on the GGUF file's block-quantized ones (the
 default on x86 CPUs, engine/quant).
 
-Layer level: every linear, the norms and rotary give a row the same bits for M = 1..64 rows. Attention: a
-token's logits are the same whether it is a plain decode (alone or in a batch), the last token of a prefill
+Layer level: every linear, the norms and rotary (torch's and the C operations') give a row the same bits for
+M = 1..64 rows. Attention (the C kernel where it runs, and the torch formulation): a token's logits are the same whether it is a plain decode (alone or in a batch), the last token of a prefill
 chunk, the root of a lookahead segment (alone, beside another segment, beside a decode, verification only)
 or an accepted candidate. End to end: greedy lookahead (fixed configurations, the adaptive policy, a random
 policy, with preemption) equals lookahead off token for token, and a request alone equals it in a batch.
@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from lookahead_serve.engine import LLM, LookaheadParams, SamplingParams
+from lookahead_serve.engine.attention.invariant import kernel_supports
 from lookahead_serve.engine.model_runner import _without_onednn, build_step_inputs
+from lookahead_serve.engine.models import cpu_ops
 from lookahead_serve.engine.quant import BlockQuantLinear
 from lookahead_serve.engine.quant.kernel import unavailable_reason
 from lookahead_serve.scheduler import ScheduledRequest
@@ -46,7 +48,9 @@ def bf16_llm(weights):
 
 
 def test_auto_backend_is_invariant_in_reduced_precision(bf16_llm):
-    assert bf16_llm.engine.model.model.layers[0].self_attn.backend.name == "invariant"
+    backend = bf16_llm.engine.model.model.layers[0].self_attn.backend
+    assert backend.name == "invariant"
+    assert backend.use_kernel == kernel_supports(64)  # the C kernel wherever it runs
 
 
 @torch.inference_mode()
@@ -72,6 +76,24 @@ def test_linears_norms_rotary_are_row_invariant(bf16_llm):
         cos, sin = model.model.rotary(positions, torch.bfloat16)
         cos1 = torch.cat([model.model.rotary(positions[i : i + 1], torch.bfloat16)[0] for i in range(64)])
         assert torch.equal(cos, cos1)
+        if cpu_ops.runs_on(h):  # the C operations the model runs here: residual add + norm, rotary
+            norm, delta = layer.input_layernorm, torch.randn(64, h.shape[1], generator=gen).to(torch.bfloat16)
+            alone = [cpu_ops.add_rms_norm(h[i : i + 1].clone(), delta[i : i + 1], norm.weight, norm.eps) for i in range(64)]
+            for m in range(1, 65):
+                hm = h[:m].clone()
+                assert torch.equal(cpu_ops.add_rms_norm(hm, delta[:m], norm.weight, norm.eps), torch.cat(alone[:m]))
+                assert torch.equal(hm, (h[:m] + delta[:m]))  # the residual add, in place, rounds as torch does
+            rot = model.model.rotary
+            x = torch.randn(64, 9, 64, generator=gen).to(torch.bfloat16)
+            one = torch.cat([x[i : i + 1].clone() for i in range(64)])
+            for i in range(64):
+                cpu_ops.rotary_(one[i : i + 1], positions[i : i + 1], rot.cos, rot.sin)
+            for m in (1, 2, 5, 16, 33, 64):
+                xm = x[:m].clone()
+                cpu_ops.rotary_(xm, positions[:m], rot.cos, rot.sin)
+                assert torch.equal(xm, one[:m])
+            ref = x * cos + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * sin  # torch's formulation
+            assert torch.equal(one, ref)
 
 
 class _Steps:
@@ -101,7 +123,18 @@ class _Steps:
             return self.model.compute_logits(hidden), inp.meta.query_start_loc
 
 
-def test_attention_gives_a_token_the_same_bits_in_every_segment_kind(bf16_llm):
+@pytest.fixture(params=["kernel", "torch"])
+def attention_impl(request, bf16_llm):
+    """The invariant backend's C kernel (where it runs; the default there) or its torch formulation."""
+    backend = bf16_llm.engine.model.model.layers[0].self_attn.backend  # one instance, shared by the layers
+    if request.param == "kernel" and not kernel_supports(bf16_llm.engine.model.model.layers[0].self_attn.head_dim):
+        pytest.skip("the invariant CPU kernel does not run here")
+    saved, backend.use_kernel = backend.use_kernel, request.param == "kernel"
+    yield request.param
+    backend.use_kernel = saved
+
+
+def test_attention_gives_a_token_the_same_bits_in_every_segment_kind(bf16_llm, attention_impl):
     steps = _Steps(bf16_llm)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(40 + 9 * r)] for r in range(8)]

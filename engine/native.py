@@ -1,0 +1,60 @@
+"""The engine's C kernels for x86 CPUs (the block-quantized linear, the invariant paged attention): each
+built once per machine with the system C compiler into the user's cache, loaded with ctypes. They need an
+x86-64 CPU with AVX2, FMA and F16C, and gcc or cc."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the C kernels cannot run here, or None if they can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the engine's C kernels need an x86-64 CPU, this is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "the engine's C kernels need a CPU with AVX2 and FMA"
+    if _compiler() is None:
+        return "the engine's C kernels are compiled on first use and no C compiler (gcc, cc) was found"
+    return None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.cache
+def load(source: Path) -> ctypes.CDLL:
+    """``source`` compiled (on first use, cached by the hash of its text and the flags) and loaded."""
+    from lookahead_serve.engine.loader import cache_root
+
+    if (reason := unavailable_reason()) is not None:
+        raise RuntimeError(reason)
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
+        os.close(fd)
+        try:
+            subprocess.run([_compiler(), *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, text=True)
+            os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
+        except subprocess.CalledProcessError as e:
+            os.unlink(tmp)
+            raise RuntimeError(f"building {source.name} failed: {e.stderr.strip()[-2000:]}") from e
+        logger.info("built %s into %s", source.name, path)
+    return ctypes.CDLL(str(path))
