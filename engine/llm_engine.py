@@ -127,6 +127,8 @@ class LLMEngine:
         if packed:
             model.use_block_weights(packed)
         self.model = model.to(dtype=self.dtype).eval()
+        if packed and (reason := self.model.use_native_step()) is not None:
+            logger.info("decoder step in modules: %s", reason)
 
         cc = config.cache
         num_blocks = cc.num_blocks or max(
@@ -135,7 +137,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype, mc.seed)
         if cost_model is None and sched_cfg.lookahead.policy == "adaptive":
-            cost_model = cached_step_cost(self.runner, self.model_path, type(backend).__name__,
+            cost_model = cached_step_cost(self.runner, self.model_path, backend.cost_key,
                                           sched_cfg.max_num_batched_tokens, cache_root() / "step-cost", self.quantization)
         self.scheduler = Scheduler(sched_cfg, self.kv_manager, cost_model)
         self.log_schedule = log_schedule

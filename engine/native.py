@@ -1,6 +1,7 @@
-"""The engine's C kernels for x86 CPUs (the block-quantized linear, the invariant paged attention): each
-built once per machine with the system C compiler into the user's cache, loaded with ctypes. They need an
-x86-64 CPU with AVX2, FMA and F16C, and gcc or cc."""
+"""The engine's C kernels for x86 CPUs (the block-quantized linear, the invariant paged attention, the
+decoder's row-wise operations and whole step): one library, built once per machine with the system C
+compiler into the user's cache and loaded with ctypes. They need an x86-64 CPU with AVX2, FMA and F16C,
+and gcc or cc."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_ENGINE = Path(__file__).parent
+SOURCES = [_ENGINE / "quant" / "blockq.c", _ENGINE / "attention" / "paged_cpu.c", _ENGINE / "models" / "ops_cpu.c"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -38,23 +41,25 @@ def _compiler() -> str | None:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL:
-    """``source`` compiled (on first use, cached by the hash of its text and the flags) and loaded."""
+def library() -> ctypes.CDLL:
+    """The kernels compiled (on first use, cached by the hash of the sources and flags) and loaded; callers
+    declare the signatures of the functions they use."""
     from lookahead_serve.engine.loader import cache_root
 
     if (reason := unavailable_reason()) is not None:
         raise RuntimeError(reason)
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"engine-{digest}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([_compiler(), *FLAGS, "-o", tmp, str(source)], check=True, capture_output=True, text=True)
+            subprocess.run([_compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
+                           text=True)
             os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
         except subprocess.CalledProcessError as e:
             os.unlink(tmp)
-            raise RuntimeError(f"building {source.name} failed: {e.stderr.strip()[-2000:]}") from e
-        logger.info("built %s into %s", source.name, path)
+            raise RuntimeError(f"building the engine's C kernels failed: {e.stderr.strip()[-2000:]}") from e
+        logger.info("built the engine's C kernels into %s", path)
     return ctypes.CDLL(str(path))

@@ -92,6 +92,11 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str
 
+    @property
+    def cost_key(self) -> str:
+        """What sets this backend's step costs (a key of the cached step-cost profile)."""
+        return type(self).__name__
+
     @abstractmethod
     def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """This backend's metadata for one step, on ``common.device``; called once per step."""

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,7 +41,6 @@ from lookahead_serve.engine.attention.backend import AttentionBackend, Attention
 from lookahead_serve.engine.attention.shared import PaddedBatch, cached_keys, padded_batch
 
 LANES = 16
-SOURCE = Path(__file__).with_name("paged_cpu.c")
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -55,9 +53,9 @@ def kernel_supports(head_dim: int | None) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    from lookahead_serve.engine.native import load
+    from lookahead_serve.engine import native
 
-    lib = load(SOURCE)
+    lib = native.library()
     i, l, p = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
     lib.paged_attention.restype = i
     lib.paged_attention.argtypes = [i, i, i, i, i, p, l, p, l, p, l, p, p, p, p, i, i, p, p, p, p, ctypes.c_float, p, i]
@@ -180,6 +178,10 @@ class InvariantBackend(AttentionBackend):
             raise ValueError("the invariant CPU kernel does not run here (see engine.native.unavailable_reason)")
         on_cpu = torch.device(device).type == "cpu"
         self.use_kernel = impl == "kernel" or (impl == "auto" and on_cpu and kernel_supports(head_dim))
+
+    @property
+    def cost_key(self) -> str:
+        return f"{type(self).__name__}:{'kernel' if self.use_kernel else 'torch'}"
 
     def build(self, common: CommonAttentionMetadata) -> InvariantMetadata:
         if self.use_kernel:

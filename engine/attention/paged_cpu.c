@@ -14,6 +14,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,15 +142,27 @@ static void attend_any(const Args *a, int t, int h, float *s) {
     else { DISPATCH(a->D); } /* any multiple of 8 up to 256 (checked by the caller) */
 }
 
-/* First writes the keys and values of the tokens with slot_mapping[t] >= 0 (committed tokens) to the cache,
- * then attends. out [T, H, D] contiguous. Returns 0, or -1 if scratch memory could not be had. */
-int paged_attention(int T, int H, int KVH, int D, int dt, const void *q, long q_stride, const void *k, long k_stride,
-                    const void *v, long v_stride, void *k_cache, void *v_cache, const int64_t *slot_mapping,
-                    const int64_t *block_table, int max_blocks, int block_size, const int32_t *tok_seg,
-                    const int32_t *num_cached, const int32_t *chain_ptr, const int32_t *chain_idx, float scale,
-                    void *out, int num_threads) {
+/* The longest key list of the step: the scratch each thread needs is that many floats plus 8. */
+int paged_attention_max_len(int T, const int32_t *num_cached, const int32_t *chain_ptr) {
+    int max_len = 0;
+    for (int t = 0; t < T; t++) {
+        const int L = num_cached[t] + chain_ptr[t + 1] - chain_ptr[t];
+        max_len = L > max_len ? L : max_len;
+    }
+    return max_len;
+}
+
+/* Inside a parallel region: first writes the keys and values of the tokens with slot_mapping[t] >= 0
+ * (committed tokens) to the cache, then attends; s is this thread's scratch (paged_attention_max_len + 8
+ * floats). out [T, H, D] contiguous. */
+void paged_attention_omp(int T, int H, int KVH, int D, int dt, const void *q, long q_stride, const void *k,
+                         long k_stride, const void *v, long v_stride, void *k_cache, void *v_cache,
+                         const int64_t *slot_mapping, const int64_t *block_table, int max_blocks, int block_size,
+                         const int32_t *tok_seg, const int32_t *num_cached, const int32_t *chain_ptr,
+                         const int32_t *chain_idx, float scale, void *out, float *s) {
     const int es = dt == F32 ? 4 : 2;
     const long row = (long)KVH * D * es;
+#pragma omp for schedule(static)
     for (int t = 0; t < T; t++)
         if (slot_mapping[t] >= 0) {
             memcpy((char *)k_cache + slot_mapping[t] * row, (const char *)k + (long)t * k_stride * es, row);
@@ -157,20 +170,23 @@ int paged_attention(int T, int H, int KVH, int D, int dt, const void *q, long q_
         }
     const Args a = {H, KVH, D, dt, block_size, max_blocks, q, k, v, k_cache, v_cache, q_stride, k_stride, v_stride,
                     block_table, tok_seg, num_cached, chain_ptr, chain_idx, scale, out};
-    int max_len = 0;
-    for (int t = 0; t < T; t++) {
-        const int L = num_cached[t] + chain_ptr[t + 1] - chain_ptr[t];
-        max_len = L > max_len ? L : max_len;
-    }
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        float *s = (float *)malloc(sizeof(float) * (max_len + 8));
-        if (s == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
-        for (long i = 0; i < (long)T * H; i++)
-            if (s != NULL) attend_any(&a, (int)(i / H), (int)(i % H), s);
-        free(s);
-    }
-    return failed ? -1 : 0;
+    for (long i = 0; i < (long)T * H; i++) attend_any(&a, (int)(i / H), (int)(i % H), s);
+}
+
+/* paged_attention_omp in its own parallel region. Returns 0, or -1 if scratch memory could not be had. */
+int paged_attention(int T, int H, int KVH, int D, int dt, const void *q, long q_stride, const void *k, long k_stride,
+                    const void *v, long v_stride, void *k_cache, void *v_cache, const int64_t *slot_mapping,
+                    const int64_t *block_table, int max_blocks, int block_size, const int32_t *tok_seg,
+                    const int32_t *num_cached, const int32_t *chain_ptr, const int32_t *chain_idx, float scale,
+                    void *out, int num_threads) {
+    const long per_thread = paged_attention_max_len(T, num_cached, chain_ptr) + 8;
+    float *scratch = (float *)malloc(sizeof(float) * per_thread * num_threads);
+    if (scratch == NULL) return -1;
+#pragma omp parallel num_threads(num_threads)
+    paged_attention_omp(T, H, KVH, D, dt, q, q_stride, k, k_stride, v, v_stride, k_cache, v_cache, slot_mapping,
+                        block_table, max_blocks, block_size, tok_seg, num_cached, chain_ptr, chain_idx, scale, out,
+                        scratch + per_thread * omp_get_thread_num());
+    free(scratch);
+    return 0;
 }

@@ -146,7 +146,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if cpu_ops.runs_on(gate_up):
+                return self.down_proj(cpu_ops.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -190,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.block_head: nn.Module | None = None  # a block-quantized output layer (float32 logits)
+        self.native_step: cpu_ops.DecoderStep | None = None  # the whole step as one C call (use_native_step)
 
     def forward(
         self,
@@ -200,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         meta = self.backend.build(step)  # once per step, read by every layer
         h = self.model.embed_tokens(input_ids)
+        if self.native_step is not None and getattr(meta, "plan", None) is not None:
+            return self.native_step(h, positions, kv_caches, meta)
         rotary = self.model.rotary
         if native := cpu_ops.runs_on(h):
             rope = Rope(positions.contiguous(), rotary.cos, rotary.sin, True)
@@ -209,6 +215,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             h, delta = layer(h, delta, rope, kv_cache, meta)
         return self.model.norm.add_forward(h, delta, native)[0]
+
+    def use_native_step(self) -> str | None:
+        """Run each step as one C call (the same operations as the modules) where it can; why not, or None."""
+        if (reason := cpu_ops.DecoderStep.unavailable_reason(self)) is None:
+            self.native_step = cpu_ops.DecoderStep(self)
+        return reason
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.block_head is not None:

@@ -150,30 +150,33 @@ void blockq_pack(int N, int K, int q4, const int8_t *q, const float *d, const fl
 
 /* y [M, N] = x [M, K] @ W^T, x and y bf16 or float; scratch: M * (K + 8 * K / 32) bytes. Rows are
  * quantized, then tiles of columns are split across threads: columns share no arithmetic, so the split
- * changes no bits. */
-void blockq_linear(int M, int N, int K, const void *x, int x_bf16, const uint8_t *w, int q4, void *y, int y_bf16,
-                   void *scratch, int num_threads) {
+ * changes no bits. The _omp form runs inside an enclosing parallel region (ops_cpu.c's decoder step). */
+void blockq_linear_omp(int M, int N, int K, const void *x, int x_bf16, const uint8_t *w, int q4, void *y, int y_bf16,
+                       void *scratch) {
     const int nb = K / QK;
     int8_t *xq = (int8_t *)scratch;
     float *xd = (float *)(xq + (long)M * K);
     float *xs = xd + (long)M * nb;
     const int esize = x_bf16 ? 2 : 4;
     const long record = q4 ? Q4_RECORD : Q8_RECORD;
-#pragma omp parallel num_threads(num_threads)
-    {
 #pragma omp for schedule(static)
-        for (int m = 0; m < M; m++)
-            quantize_row((const char *)x + (long)m * K * esize, x_bf16, K, xq + (long)m * K, xd + (long)m * nb,
-                         xs + (long)m * nb);
+    for (int m = 0; m < M; m++)
+        quantize_row((const char *)x + (long)m * K * esize, x_bf16, K, xq + (long)m * K, xd + (long)m * nb,
+                     xs + (long)m * nb);
 #pragma omp for schedule(static)
-        for (int t = 0; t < N / TILE; t++) {
-            const uint8_t *rec = w + (long)t * nb * record;
-            for (int m = 0; m < M; m++) {
-                float out[TILE];
-                if (q4) dot_tile_q4(nb, xq + (long)m * K, xd + (long)m * nb, xs + (long)m * nb, rec, out);
-                else dot_tile_q8(nb, xq + (long)m * K, xd + (long)m * nb, rec, out);
-                for (int j = 0; j < TILE; j++) store(y, y_bf16, (long)m * N + (long)t * TILE + j, out[j]);
-            }
+    for (int t = 0; t < N / TILE; t++) {
+        const uint8_t *rec = w + (long)t * nb * record;
+        for (int m = 0; m < M; m++) {
+            float out[TILE];
+            if (q4) dot_tile_q4(nb, xq + (long)m * K, xd + (long)m * nb, xs + (long)m * nb, rec, out);
+            else dot_tile_q8(nb, xq + (long)m * K, xd + (long)m * nb, rec, out);
+            for (int j = 0; j < TILE; j++) store(y, y_bf16, (long)m * N + (long)t * TILE + j, out[j]);
         }
     }
+}
+
+void blockq_linear(int M, int N, int K, const void *x, int x_bf16, const uint8_t *w, int q4, void *y, int y_bf16,
+                   void *scratch, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    blockq_linear_omp(M, N, K, x, x_bf16, w, q4, y, y_bf16, scratch);
 }

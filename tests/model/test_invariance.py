@@ -179,6 +179,40 @@ def test_attention_gives_a_token_the_same_bits_in_every_segment_kind(bf16_llm, a
     assert torch.equal(steps.logits([steps.seg(0, cand, P, verify)])[0][1], decoded_y)
 
 
+def test_c_decoder_step_equals_the_modules(bf16_llm):
+    """Block weights on a CPU that builds the C kernels run each step as one C call (DecoderStep): the same
+    bits as the modules, for a prefill, a batch of decodes, and a lookahead segment beside a decode."""
+    model = bf16_llm.engine.model
+    native = model.native_step
+    if native is None:
+        pytest.skip("no C decoder step here (dequantized weights, or no C kernels)")
+    steps = _Steps(bf16_llm)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 20000) for _ in range(30 + 11 * r)] for r in range(4)]
+    for r, p in enumerate(prompts):
+        steps.logits([steps.seg(r, p, 0)])
+    steps.saved = [c.clone() for c in steps.runner.kv_caches]
+    lay = LookaheadLayout(num_levels=4, num_cols=5, num_candidates=5, candidate_len=4)
+    window = [1234] + [rng.randrange(100, 20000) for _ in range(lay.num_tokens - 1)]
+    cases = {"prefill chunk": [steps.seg(0, prompts[0][10:], 10)],
+             "decodes": [steps.seg(r, [777], len(prompts[r])) for r in range(4)],
+             "lookahead beside a decode": [steps.seg(1, [5], len(prompts[1])), steps.seg(0, window, len(prompts[0]), lay)]}
+    try:
+        for name, segs in cases.items():
+            out = {}
+            for path, step in (("C step", native), ("modules", None)):
+                model.native_step = step
+                steps.reset()
+                out[path] = steps.logits(segs)[0]
+                if path == "C step":
+                    caches = [c.clone() for c in steps.runner.kv_caches]
+            assert torch.equal(out["C step"], out["modules"]), name
+            assert all(torch.equal(a, b) for a, b in zip(caches, steps.runner.kv_caches, strict=True)), name
+    finally:
+        model.native_step = native
+        steps.reset()
+
+
 # -- end to end -------------------------------------------------------------------------------------------
 
 CHAT = [
