@@ -121,7 +121,8 @@ class LLMEngine:
         self._backend_name = next(name for name, cls in BACKENDS.items() if type(backend) is cls)
         with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
             model = LlamaForCausalLM(self.hf_config, backend, max_model_len)
-        model = model.to_empty(device=self.device)
+        # Module.to_empty's empty_like on meta tensors runs a Python reference (~1 s here); torch.empty does not
+        model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=self.device))
         skip = model.block_weight_names(packed)
         model.load_weights(load_state_dict(self.model_path, skip), skip)
         if packed:

@@ -122,7 +122,37 @@ def convert_gguf(gguf: Path) -> Path:
     return target
 
 
+# The config fields the engine reads that have no universal default (transformers' per-model defaults)
+_SPELLED_OUT = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+
+
+class ArchConfig:
+    """A model config read from config.json as it is: attribute access like transformers' configs."""
+
+    def __init__(self, fields: dict) -> None:
+        self.__dict__.update(fields)
+        self.num_key_value_heads = fields.get("num_key_value_heads") or fields["num_attention_heads"]
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
 def load_hf_config(folder: Path):
+    """The model's config. When config.json spells out every field the engine reads and the rotary embedding is
+    the default one (as in the engine's converted GGUF models), it is read directly: importing transformers'
+    config classes takes seconds of start-up. Otherwise transformers' ``AutoConfig``."""
+    from lookahead_serve.engine.models.llama import SUPPORTED_ARCHITECTURES
+
+    try:
+        fields = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        fields = {}
+    rope = fields.get("rope_parameters")
+    default_rope = (isinstance(rope, dict) and rope.get("rope_type") == "default" and "rope_theta" in rope
+                    and not fields.get("rope_scaling"))
+    if fields.get("model_type") in SUPPORTED_ARCHITECTURES and default_rope and all(k in fields for k in _SPELLED_OUT):
+        return ArchConfig(fields)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(folder)
@@ -146,6 +176,16 @@ def load_tokenizer(folder: Path):
     """The folder's tokenizer, or None if it has none (token-id prompts only)."""
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    try:
+        tokenizer_class = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        tokenizer_class = None
+    if tokenizer_class == "TokenizersBackend" and (folder / "tokenizer.json").is_file():
+        # The class AutoTokenizer would pick, without its config lookup (seconds of imports; converted GGUF
+        # models are saved so)
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
