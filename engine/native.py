@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 _ENGINE = Path(__file__).parent
 SOURCES = [_ENGINE / "quant" / "blockq.c", _ENGINE / "attention" / "paged_cpu.c", _ENGINE / "models" / "ops_cpu.c"]
+HEADERS = [_ENGINE / "cpu_kernels.h"]
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -48,7 +49,8 @@ def library() -> ctypes.CDLL:
 
     if (reason := unavailable_reason()) is not None:
         raise RuntimeError(reason)
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(FLAGS).encode()).hexdigest()[:16]
+    texts = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    digest = hashlib.sha256(texts + " ".join(FLAGS).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"engine-{digest}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,12 +12,11 @@
  * lookahead window or candidate), whatever else shares the step, and however the work is split between
  * threads. Inputs and outputs: float32, bfloat16 or float16; arithmetic in float32.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "../cpu_kernels.h"
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -43,14 +42,6 @@ static inline void store8(void *p, __m256 v, const int dt) {
         const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128((__m128i *)p, packed);
     }
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 sh = _mm_movehdup_ps(lo);
-    lo = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, lo);
-    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
 /* exp for x <= 0 (Cephes' single-precision polynomial): the same instructions for every lane. */

@@ -3,30 +3,20 @@
  * row from that row alone, in a fixed order: a row's bits never depend on how many rows share the call.
  * Rounding to the model's dtype falls where the torch formulation rounds (transformers' Llama modules).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "../cpu_kernels.h"
 
 enum { BF16 = 1, F16 = 2 };
 
 static inline float to_f32(const uint16_t *p, long i, int dt) {
-    if (dt == F16) return _cvtsh_ss(p[i]);
-    uint32_t u = (uint32_t)p[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return dt == F16 ? _cvtsh_ss(p[i]) : bf16_to_f32(p[i]);
 }
 
 static inline uint16_t from_f32(float f, int dt) { /* round to nearest even, as torch does */
-    if (dt == F16) return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return dt == F16 ? _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT) : f32_to_bf16(f);
 }
 
 static inline float round_to(float f, int dt) { return to_f32((uint16_t[]){from_f32(f, dt)}, 0, dt); }

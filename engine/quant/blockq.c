@@ -11,27 +11,11 @@
  * The arithmetic of an element does not depend on M, N, the tiling or the thread count: a row's output
  * has the same bits whatever else shares the call.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "../cpu_kernels.h"
 
 #define QK 32
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One row of K values (bf16 if is_bf16, else float) -> int8 blocks, their scales and scaled sums. */
 static void quantize_row(const void *x, int is_bf16, int K, int8_t *q, float *d, float *s) {
@@ -55,15 +39,6 @@ static void quantize_row(const void *x, int is_bf16, int K, int8_t *q, float *d,
         d[b] = db;
         s[b] = db * (float)sum;
     }
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    __m128 sh = _mm_movehdup_ps(lo);
-    lo = _mm_add_ps(lo, sh);
-    sh = _mm_movehl_ps(sh, lo);
-    return _mm_cvtss_f32(_mm_add_ss(lo, sh));
 }
 
 /* int32 lanes of one block's dot product, as floats: q_w unsigned (0..15) when HAS_MIN, else signed. */
