@@ -44,7 +44,7 @@ serve-ray: $(STAMP)
 	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 PYTHONPATH=$(CURDIR) $(VENV)/bin/serve run deploy/serve_config.yaml
 
 # Headless locust against a running server (`make serve`, or `make serve-ray` with LOAD_HOST=127.0.0.1:9000);
-# MT-bench prompts from ../shared/data (LOCUST_PROMPTS=... for others); CSVs in benchmarks/out/load_*.csv.
+# deploy/prompts.jsonl (LOCUST_PROMPTS=... for others, e.g. ../shared/data/mt_bench_questions.jsonl); CSVs in benchmarks/out/load_*.csv.
 load: $(STAMP)
 	mkdir -p benchmarks/out
 	$(VENV)/bin/locust -f deploy/locustfile.py --host $(LOAD_HOST) --headless -u $(USERS) -r $(USERS) \

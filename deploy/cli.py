@@ -22,7 +22,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = _engine_from_args(args)
     prompt = args.prompt
     if not args.raw:
-        prompt = llm.engine.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.engine.chat_prompt([{"role": "user", "content": prompt}])
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens)  # lookahead: the engine's default (--lookahead)
     start = time.perf_counter()

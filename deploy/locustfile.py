@@ -5,8 +5,8 @@
         --prompts ../shared/data/mt_bench_questions.jsonl --max-tokens 64 --lookahead off
 
 Each user streams ``Generate`` calls through the generated stub, one after another: the first turn of an
-MT-bench question (``--prompts``, one JSON object a line with ``"turns"``; default
-../shared/data/mt_bench_questions.jsonl) as a one-message chat, greedy. Two request types are reported:
+MT-bench style question (``--prompts``, one JSON object a line with ``"turns"``; default deploy/prompts.jsonl,
+20 prompts that ship with the package) as a one-message chat, greedy. Two request types are reported:
 ``ttft`` (time to the first streamed chunk) and ``generate`` (the whole response; its length is the
 number of tokens). A call that fails, or a stream that ends without a ``finish_reason``, is a failure.
 ``--max-tokens`` (default 64) and ``--lookahead`` (``off`` or ``W,N,G``; unset = the server's default)
@@ -35,7 +35,7 @@ from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb  # noqa: E402
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc  # noqa: E402
 from lookahead_serve.scheduler.params import LookaheadParams  # noqa: E402  (pure Python)
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_questions.jsonl"
+DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")  # 20 prompts of our own, shipped with the package
 CALL_TIMEOUT_S = 600.0
 
 PROMPTS: list[str] = []

@@ -133,4 +133,4 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation (or several), rendered with the model's chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.apply_chat_template(c) for c in convs], sampling_params)  # type: ignore[arg-type]
+        return self.generate([self.engine.chat_prompt(c) for c in convs], sampling_params)  # type: ignore[arg-type]

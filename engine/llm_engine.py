@@ -210,18 +210,21 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
+            if "prompt_token_ids" in prompt:  # with "prompt" too, that is their text (the output's prompt)
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise ValueError("prompt must be a string")
+                return text, self._checked_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        else:
-            ids = prompt
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return None, self._checked_ids(prompt)
+
+    def _checked_ids(self, ids) -> list[int]:
         ids = list(ids)
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size})")
-        return None, ids
+        return ids
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -230,6 +233,12 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # a template may reject a role or an order of messages (jinja2 raises its own types)
             raise ValueError(f"chat: the model's chat template rejects these messages: {e}") from None
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> dict:
+        """A conversation as a prompt: the chat template's text and its token ids, tokenized without the
+        tokenizer's own special tokens (the template writes every one it wants: no second BOS)."""
+        text = self.apply_chat_template(messages)
+        return {"prompt": text, "prompt_token_ids": list(self.tokenizer(text, add_special_tokens=False).input_ids)}
 
     def add_request(self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()

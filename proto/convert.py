@@ -34,7 +34,7 @@ def to_prompt(request: pb.GenerateRequest, engine: LLMEngine) -> PromptType:
         raise ValueError("chat: at least one message is required")
     if any(not m["role"] for m in messages):
         raise ValueError("chat: every message needs a role")
-    return engine.apply_chat_template(messages)
+    return engine.chat_prompt(messages)
 
 
 def to_sampling_params(request: pb.GenerateRequest, max_model_len: int) -> SamplingParams:

@@ -21,6 +21,7 @@ def test_wheel_installs_beside_proto_plus(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         top = {name.split("/")[0] for name in z.namelist()}
         assert top == {"lookahead_serve", wheel.name.split("-py3")[0] + ".dist-info"}
+        assert "lookahead_serve/deploy/prompts.jsonl" in z.namelist()  # make load's default prompts
         for source in ("cpu_kernels.h", "quant/blockq.c", "attention/paged_cpu.c", "models/ops_cpu.c"):  # C kernels, built on first use
             assert f"lookahead_serve/engine/{source}" in z.namelist()
         # A fresh environment: the wheel unpacked into its site-packages (a pure-Python wheel installs so),
