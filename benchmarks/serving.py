@@ -217,8 +217,13 @@ async def run_all(args: argparse.Namespace, questions: list[str], target: str, s
         log("server healthy")
         stub = pb_grpc.LookaheadServiceStub(channel)
         log(f"warm-up: each of {len(questions)} questions once, max_tokens=1 (fills the prefix cache) ...")
-        warm = await asyncio.gather(*(timed_call(stub, make_request(q, 1, True, False), args.request_timeout)
-                                      for q in questions))
+        slots = asyncio.Semaphore(8)  # under the server's cap on live requests
+
+        async def warm_one(q: str):
+            async with slots:
+                return await timed_call(stub, make_request(q, 1, True, False), args.request_timeout)
+
+        warm = await asyncio.gather(*(warm_one(q) for q in questions))
         if any(c.error for c in warm):
             raise SystemExit(f"warm-up failed: {next(c.error for c in warm if c.error)}")
         runs = []
