@@ -211,18 +211,20 @@ class Scheduler:
             if sampled and req.lookahead is not None:
                 req.lookahead.add_output(sampled)
                 self.planner.observe_request(req, seg, sampled)
+        status = None
         if sampled:
             req.num_steps += 1
             if req.timing.first_token is None:
                 req.timing.first_token = now
             for token_id in sampled:
                 req.append_output(token_id)
-                status = self._check_stop(req, token_id)
-                if status is not None:
-                    self._finish(req, status)
+                if (status := self._check_stop(req, token_id)) is not None:
                     break
-        if not req.status.finished:
-            self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        # Full blocks of committed tokens join the prefix cache, also when the request ends now (before its
+        # blocks are freed: a request that ends at its first token still leaves its prompt cached)
+        self.kv.cache_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))
+        if status is not None:
+            self._finish(req, status)
         return bool(sampled)
 
     # ---- internals -----------------------------------------------------------------------------

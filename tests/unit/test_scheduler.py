@@ -707,3 +707,18 @@ def test_packages_import_without_torch_or_engine():
     )
     repo_root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo_root)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_a_request_that_ends_now_leaves_its_prompt_cached(max_tokens):
+    """Its full blocks join the prefix cache before the finish frees them: the same prompt again hits them."""
+    s = make_scheduler(block_size=4)
+    prompt = list(range(500, 522))  # 22 tokens: 5 full blocks
+    s.add_request(make_request("a", prompt, max_tokens=max_tokens))
+    run_all(s)
+    assert not s.has_unfinished_requests()
+    _, num_hit = s.kv.get_computed_blocks(prompt)
+    assert num_hit == 20
+    s.add_request(make_request("b", prompt, max_tokens=1))
+    so, _ = step(s)
+    assert so.scheduled[0].start_pos == 20 and len(so.scheduled[0].token_ids) == 2  # only the uncached tail
