@@ -63,7 +63,7 @@ class LookaheadDeployment:
         llm = LLM(model, **{"lookahead_objective": "throughput", **(engine_args or {})})
         engine = AsyncLLMEngine(llm.engine, max_live_requests=max_live_requests)
         name = served_model_name or (DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)))
-        self.core = ServiceCore(engine, name, ServerMetrics(llm.engine))
+        self.core = ServiceCore(engine, name, ServerMetrics(llm.engine, name))
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext):
         with _grpc_status(grpc_context):

@@ -41,7 +41,8 @@ class ScheduleCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram("lookahead_time_to_first_token_seconds", "Time to first token", registry=r, buckets=_LATENCY)
         self.tpot = Histogram("lookahead_time_per_output_token_seconds", "Time per output token after the first",

@@ -243,7 +243,7 @@ async def start_server(
         raise ValueError(f"max_receive_message_bytes must be positive, got {max_receive_message_bytes}")
     if (ssl_cert_pem is None) != (ssl_key_pem is None):
         raise ValueError("TLS needs both a certificate (ssl_cert_pem) and its private key (ssl_key_pem)")
-    metrics = ServerMetrics(engine.engine)
+    metrics = ServerMetrics(engine.engine, model_name)
     if metrics_port is not None:
         start_http_server(metrics_port, addr=host, registry=metrics.registry)
     server = grpc.aio.server(

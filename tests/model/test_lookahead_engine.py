@@ -244,7 +244,7 @@ def test_schedule_metrics_are_exported(tiny_llama):
     from lookahead_serve.proto.metrics import ServerMetrics
 
     llm = LLM(tiny_llama, lookahead=LookaheadParams(5, 3, 5), lookahead_policy="fixed")
-    metrics = ServerMetrics(llm.engine)
+    metrics = ServerMetrics(llm.engine, "tiny")
     llm.generate({"prompt_token_ids": _repetitive_prompts(1, 96, seed=8)[0]}, SamplingParams(temperature=0, max_tokens=12))
     text = generate_latest(metrics.registry).decode()
     n = llm.engine.lookahead_chosen["5,3,5"]
