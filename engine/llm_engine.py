@@ -67,7 +67,10 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's running totals and queues (LLMEngine.stats)."""
+    """A snapshot of the engine's running totals and queues (LLMEngine.stats).
+
+    Taken without a lock, also from other threads (a metrics scrape): each field is read once, so fields may
+    straddle a step, but none is torn."""
 
     num_steps: int
     step_tokens_total: int
@@ -82,6 +85,20 @@ class EngineStats:
     num_used_kv_blocks: int
     num_running: int
     num_waiting: int
+    num_prompt_tokens: int  # of requests that reached their first token
+    num_generation_tokens: int
+    num_drafts: int  # lookahead drafts (scheduler.request.DraftCounts), summed over requests
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    num_prefix_cache_hits: int  # of those, tokens found
+    step_token_counts: dict[int, int]  # tokens in a step -> steps
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (cached blocks nobody uses count as free), 0..1."""
+        total = self.num_free_kv_blocks + self.num_used_kv_blocks
+        return self.num_used_kv_blocks / total if total else 0.0
 
 
 class LLMEngine:
@@ -144,6 +161,7 @@ class LLMEngine:
         self.log_schedule = log_schedule
         self.lookahead_chosen: Counter[str] = Counter()  # (w,n,g) label -> lookahead segments run
         self.step_tokens_total = 0
+        self.step_token_counts: Counter[int] = Counter()  # tokens in a step -> steps
         self.step_seconds_total = 0.0
         self.step_predicted_seconds_total = 0.0  # over the steps the cost model predicted
         self.step_abs_error_seconds_total = 0.0
@@ -187,6 +205,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         free = self.kv_manager.num_free_blocks
+        sched, drafts = self.scheduler, self.scheduler.drafts
         return EngineStats(
             num_steps=self.num_steps,
             step_tokens_total=self.step_tokens_total,
@@ -199,8 +218,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_free_kv_blocks=free,
             num_used_kv_blocks=self.kv_manager.pool.num_blocks - free,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_prompt_tokens=sched.num_prompt_tokens,
+            num_generation_tokens=sched.num_generation_tokens,
+            num_drafts=drafts.num_drafts,
+            num_draft_tokens=drafts.num_draft_tokens,
+            num_accepted_tokens=drafts.num_accepted_tokens,
+            num_prefix_cache_queries=self.kv_manager.num_prefix_query_tokens,
+            num_prefix_cache_hits=self.kv_manager.num_prefix_hit_tokens,
+            step_token_counts=dict(self.step_token_counts),
         )
 
     # ---- intake --------------------------------------------------------------------------------
@@ -302,6 +329,7 @@ class LLMEngine:
         self.last_predicted_seconds = stats.predicted_seconds if stats else None
         self.num_steps += 1
         self.step_tokens_total += sched_out.num_scheduled_tokens
+        self.step_token_counts[sched_out.num_scheduled_tokens] += 1
         self.step_seconds_total += self.last_step_seconds
         if self.last_predicted_seconds is not None:
             self.step_predicted_seconds_total += self.last_predicted_seconds
@@ -376,10 +404,15 @@ class LLMEngine:
                 first_scheduled_time=t.first_scheduled,
                 first_token_time=t.first_token,
                 finished_time=t.finished,
+                last_token_time=t.last_token,
                 num_steps=req.num_steps,
                 num_output_tokens=req.num_output_tokens,
                 num_preemptions=req.num_preemptions,
                 accepted_lengths=dict(sorted(req.accepted_lengths.items())),
                 pool_hits=req.lookahead.num_pool_hits if req.lookahead else 0,
+                num_drafts=req.drafts.num_drafts,
+                num_draft_tokens=req.drafts.num_draft_tokens,
+                num_accepted_tokens=req.drafts.num_accepted_tokens,
+                inter_token_latencies=list(t.inter_token) if req.status.finished else [],
             ),
         )

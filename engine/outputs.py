@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestMetrics:
+    """A request's timing (time.monotonic() seconds) and counts so far, as vLLM's request stats.
+
+    Queue: arrival -> first scheduled; prefill: first scheduled -> first token; decode: first -> last
+    token; inference: first scheduled -> last token; end to end: arrival -> finished. The draft counts
+    are lookahead's, as ``scheduler.request.DraftCounts`` defines them.
+    """
+
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
@@ -16,6 +23,11 @@ class RequestMetrics:
     num_preemptions: int = 0
     accepted_lengths: dict[int, int] = field(default_factory=dict)  # tokens per lookahead step -> steps
     pool_hits: int = 0  # lookahead steps that found candidates in the n-gram pool
+    last_token_time: float | None = None
+    num_drafts: int = 0  # lookahead steps that verified at least one candidate
+    num_draft_tokens: int = 0  # the most tokens those steps could accept beyond the first
+    num_accepted_tokens: int = 0  # the tokens they accepted beyond the first
+    inter_token_latencies: list[float] = field(default_factory=list)  # between token-giving steps; final output only
 
     @property
     def tokens_per_step(self) -> float:
@@ -24,7 +36,37 @@ class RequestMetrics:
 
     @property
     def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return _between(self.arrival_time, self.first_token_time)
+
+    @property
+    def queue_time(self) -> float | None:
+        return _between(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _between(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _between(self.first_token_time, self.last_token_time)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _between(self.first_scheduled_time, self.last_token_time)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return _between(self.arrival_time, self.finished_time)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Decode time per output token after the first (None with fewer than two tokens)."""
+        decode = self.decode_time
+        return None if decode is None or self.num_output_tokens < 2 else decode / (self.num_output_tokens - 1)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
 
 
 @dataclass

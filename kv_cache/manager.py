@@ -50,9 +50,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_prefix_query_tokens += len(token_ids)
-        self.num_prefix_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count an admitted request's lookup (once per admission, not per try while it waits)."""
+        self.num_prefix_query_tokens += num_tokens
+        self.num_prefix_hit_tokens += num_hit
 
     def allocate_slots(
         self, req_id: str, num_tokens: int, computed_blocks: Sequence[KVBlock] = ()

@@ -45,10 +45,42 @@ def describe_error(e: BaseException) -> str:
 
 @dataclass(slots=True)
 class RequestTiming:
+    """time.monotonic() of a request's milestones, and the gaps between the steps that gave it tokens."""
+
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
+    last_token: float | None = None
     finished: float | None = None
+    inter_token: list[float] = field(default_factory=list)  # seconds between token-giving steps, after the first
+
+    def record_tokens(self, now: float) -> None:
+        """A step gave the request tokens at ``now``."""
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.inter_token.append(now - self.last_token)
+        self.last_token = now
+
+
+@dataclass(slots=True)
+class DraftCounts:
+    """Lookahead's drafts, counted as vLLM counts speculative decoding.
+
+    A draft is a lookahead step that verified at least one candidate. ``num_draft_tokens`` adds each draft's
+    candidate length (the most tokens it could accept beyond the first), ``num_accepted_tokens`` the tokens
+    it accepted beyond the first; so the acceptance rate accepted / draft tokens is in [0, 1]. Example: a
+    step verifying 5 candidates of 2 tokens that outputs 3 tokens adds 1 draft, 2 draft tokens, 2 accepted.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, candidate_len: int, num_sampled: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += candidate_len
+        self.num_accepted_tokens += max(num_sampled - 1, 0)
 
 
 class Request:
@@ -84,6 +116,7 @@ class Request:
         self.max_lookahead: LookaheadParams | None = None  # the most (W, N, G) it may run
         self.lookahead_step: LookaheadParams | None = None  # what its latest lookahead segment ran
         self.accepted_lengths: Counter[int] = Counter()  # tokens produced per lookahead step -> steps
+        self.drafts = DraftCounts()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,7 +27,7 @@ from lookahead_serve.scheduler.config import SchedulerConfig
 from lookahead_serve.scheduler.cost import StepCostModel
 from lookahead_serve.scheduler.lookahead import LookaheadLayout, LookaheadState
 from lookahead_serve.scheduler.planner import LookaheadPlanner
-from lookahead_serve.scheduler.request import Request, RequestStatus, describe_error
+from lookahead_serve.scheduler.request import DraftCounts, Request, RequestStatus, describe_error
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # of requests that reached their first token
+        self.num_generation_tokens = 0  # output tokens, as they are produced
+        self.drafts = DraftCounts()  # every request's lookahead drafts, summed
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Take ``config``'s limits and lookahead settings from the next step on (between runs; the model's
@@ -154,6 +157,7 @@ class Scheduler:
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req.request_id, num_hit + num_new, hits) is None:
                 break
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
@@ -205,6 +209,8 @@ class Scheduler:
             req.accepted_lengths[len(sampled)] += 1
             if seg.lookahead.num_candidates:
                 req.lookahead.num_pool_hits += 1
+                req.drafts.add(seg.lookahead.candidate_len, len(sampled))
+                self.drafts.add(seg.lookahead.candidate_len, len(sampled))
             self.planner.observe_request(req, seg, sampled)
         else:
             req.num_computed_tokens += len(seg.token_ids)
@@ -215,11 +221,14 @@ class Scheduler:
         if sampled:
             req.num_steps += 1
             if req.timing.first_token is None:
-                req.timing.first_token = now
+                self.num_prompt_tokens += req.num_prompt_tokens
+            req.timing.record_tokens(now)
+            num_before = req.num_output_tokens
             for token_id in sampled:
                 req.append_output(token_id)
                 if (status := self._check_stop(req, token_id)) is not None:
                     break
+            self.num_generation_tokens += req.num_output_tokens - num_before
         # Full blocks of committed tokens join the prefix cache, also when the request ends now (before its
         # blocks are freed: a request that ends at its first token still leaves its prompt cached)
         self.kv.cache_blocks(req.request_id, req.all_token_ids, min(req.num_computed_tokens, req.num_tokens))

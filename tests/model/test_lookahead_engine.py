@@ -249,6 +249,6 @@ def test_schedule_metrics_are_exported(tiny_llama):
     text = generate_latest(metrics.registry).decode()
     n = llm.engine.lookahead_chosen["5,3,5"]
     assert n > 0
-    assert f'lookahead_segments_total{{config="5,3,5"}} {float(n)}' in text
-    assert f"lookahead_engine_steps_total {float(llm.engine.num_steps)}" in text
-    assert f"lookahead_engine_step_tokens_total {float(llm.engine.step_tokens_total)}" in text
+    assert f'lookahead:segments_total{{config="5,3,5",model_name="tiny"}} {float(n)}' in text
+    assert f'lookahead:engine_steps_total{{model_name="tiny"}} {float(llm.engine.num_steps)}' in text
+    assert f'lookahead:engine_step_tokens_total{{model_name="tiny"}} {float(llm.engine.step_tokens_total)}' in text

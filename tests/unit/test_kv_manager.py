@@ -115,7 +115,10 @@ def admit(kv: KVCacheManager, req_id: str, tokens: list[int]) -> tuple[list[int]
     """What the scheduler does for a waiting request: look up the cache, then allocate all its tokens."""
     hits, num_hit = kv.get_computed_blocks(tokens)
     assert num_hit == len(hits) * kv.block_size
-    return kv.allocate_slots(req_id, len(tokens), hits), num_hit
+    blocks = kv.allocate_slots(req_id, len(tokens), hits)
+    if blocks is not None:
+        kv.record_prefix_lookup(len(tokens), num_hit)
+    return blocks, num_hit
 
 
 def test_second_request_gets_the_first_requests_full_blocks():
