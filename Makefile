@@ -10,6 +10,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 
 HOST ?= 127.0.0.1
 PORT ?= 50051
+HTTP_PORT ?= 8000
 PROTO_OUT := proto/lookahead/v1
 
 USERS ?= 8
@@ -28,13 +29,13 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Serve the default model on $(HOST):$(PORT); once it is healthy, stream one demo answer through the
+# Serve the default model on $(HOST):$(PORT) (gRPC) and $(HOST):$(HTTP_PORT) (OpenAI HTTP API); once it is healthy, stream one demo answer through the
 # real client; keep serving until Ctrl-C.
 run: $(STAMP)
-	$(PY) deploy/run_demo.py --host $(HOST) --port $(PORT) --prompt "$(PROMPT)"
+	$(PY) deploy/run_demo.py --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT) --prompt "$(PROMPT)"
 
 serve: $(STAMP)
-	$(VENV)/bin/lookahead-serve serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/lookahead-serve serve --host $(HOST) --port $(PORT) --http-port $(HTTP_PORT)
 
 generate: $(STAMP)
 	$(VENV)/bin/lookahead-serve generate "$(PROMPT)"

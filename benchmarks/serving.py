@@ -120,7 +120,7 @@ def free_port() -> int:
 
 def start_server(args: argparse.Namespace, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "lookahead_serve.deploy.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--max-live-requests", str(max(args.users) + 8)]
+               "--http-port", "0", "--max-live-requests", str(max(args.users) + 8)]
     if args.model:
         command += ["--model", args.model]
     log(f"starting the server: {shlex.join(command)}")

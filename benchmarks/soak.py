@@ -22,7 +22,7 @@ the server settles (no running or waiting request) and the baseline is taken; th
 (``--duration`` s), stop, settle, and the end figures. Checks (exit status 1 if any fails):
 
 - no unexpected error (warm-up included);
-- KV blocks free (``lookahead_kv_blocks_free`` from /metrics) at the end = before the first request;
+- KV blocks free (``lookahead:kv_blocks_free`` from /metrics) at the end = before the first request;
 - the server's RSS at the end at most ``--max-rss-growth`` (5%) above the baseline;
 - the server's thread count at the end at most the baseline's (after up to 30 s more idle: gRPC ends an
   extra EventEngine thread after 20 s idle), but for gRPC's EventEngine pool, which may stay up to one
@@ -396,7 +396,8 @@ class Server:
         self.port, self.metrics_port = free_ports(2)
         exe = Path(sys.executable).with_name("lookahead-serve")
         command = [str(exe)] if exe.exists() else [sys.executable, "-m", "lookahead_serve.deploy.cli"]
-        command += ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", str(self.metrics_port)]
+        command += ["serve", "--host", "127.0.0.1", "--port", str(self.port), "--http-port", "0",
+                    "--metrics-port", str(self.metrics_port)]
         command += (["--model", args.model] if args.model else []) + shlex.split(args.server_args)
         self.command = command
         if args.server_log is None:
@@ -421,7 +422,7 @@ class Server:
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
-                values[name] = float(value)
+                values[name.partition("{")[0]] = float(value)  # one model: its model_name label is dropped
         return values
 
     def sample(self) -> dict:
@@ -432,9 +433,9 @@ class Server:
         except (OSError, psutil.Error):
             return {"rss": None, "threads": None, "thread_names": None, "kv_free": None, "kv_used": None,
                     "running": None, "waiting": None}
-        return {"rss": rss, "threads": threads, "thread_names": names, "kv_free": m.get("lookahead_kv_blocks_free"),
-                "kv_used": m.get("lookahead_kv_blocks_used"), "running": m.get("lookahead_requests_running"),
-                "waiting": m.get("lookahead_requests_waiting")}
+        return {"rss": rss, "threads": threads, "thread_names": names, "kv_free": m.get("lookahead:kv_blocks_free"),
+                "kv_used": m.get("lookahead:kv_blocks_used"), "running": m.get("lookahead:num_requests_running"),
+                "waiting": m.get("lookahead:num_requests_waiting")}
 
     def thread_names(self) -> dict[str, int]:
         """Threads by their OS name (Linux: /proc/<pid>/task/*/comm; empty elsewhere)."""

@@ -3,17 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
 
 def _add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """A flag for every engine config field (deploy.flags), and the schedule log."""
+    """A flag for every engine config field (deploy.flags), and the log flags."""
     from lookahead_serve.deploy.flags import add_config_flags
 
     add_config_flags(p, skip)
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="root log level (default: %(default)s)")
     p.add_argument("--log-schedule", action="store_true",
                    help="log every step's tokens, chosen (w,n,g) and predicted vs observed time")
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Root logging to stderr at --log-level; --log-schedule turns the step log on, --disable-log-requests the
+    per-request log (logger lookahead_serve.requests, INFO) off."""
+    if not hasattr(args, "log_level"):  # the client logs nothing
+        return
+    logging.basicConfig(format=LOG_FORMAT)  # a no-op when the root logger has handlers already
+    logging.getLogger().setLevel(args.log_level.upper())
+    if args.log_schedule:
+        logging.getLogger("lookahead_serve.schedule").setLevel(logging.INFO)
+    if getattr(args, "disable_log_requests", False):
+        logging.getLogger("lookahead_serve.requests").setLevel(logging.WARNING)
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The model: serve's positional MODEL or --model (vLLM takes either); both and different is an error."""
+    flag, positional = vars(args)["model.model"], getattr(args, "model_tag", None)
+    if flag is not None and positional is not None and flag != positional:
+        raise ValueError(f"two models given: {positional!r} (positional) and --model {flag!r}; pass one")
+    return positional if positional is not None else flag
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -49,12 +75,14 @@ def _engine_from_args(args: argparse.Namespace):
     from lookahead_serve.deploy.flags import engine_config
     from lookahead_serve.engine import LLM
 
-    if args.log_schedule:
-        import logging
+    return LLM.from_config(engine_config(args, model=model_arg(args)), log_schedule=args.log_schedule)
 
-        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
-        logging.getLogger("lookahead_serve.schedule").setLevel(logging.INFO)
-    return LLM.from_config(engine_config(args), log_schedule=args.log_schedule)
+
+def _served_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else the model's default name (engine.loader.default_served_name)."""
+    from lookahead_serve.engine.loader import default_served_name
+
+    return args.served_model_name or default_served_name(model_arg(args))
 
 
 def _read_pem(path: str, flag: str) -> bytes:
@@ -85,19 +113,16 @@ def _serve_options(args: argparse.Namespace) -> dict:
 
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
-    import os
 
     from lookahead_serve.engine.async_engine import AsyncLLMEngine
-    from lookahead_serve.engine.loader import DEFAULT_MODEL_NAME
     from lookahead_serve.proto.server import serve_forever
 
     options = _serve_options(args)
+    name = _served_name(args)
     llm = _engine_from_args(args)
-    model = vars(args)["model.model"]
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if model is None else os.path.basename(os.path.normpath(model)))
     engine = AsyncLLMEngine(llm.engine, max_live_requests=args.max_live_requests)
     try:  # SIGTERM and SIGINT drain the server and return; Ctrl-C before it is up lands here
-        asyncio.run(serve_forever(engine, name, args.host, args.port, args.metrics_port,
+        asyncio.run(serve_forever(engine, name, args.host, args.port, args.metrics_port, http_port=args.http_port,
                                   shutdown_grace=args.shutdown_grace, **options))
     except KeyboardInterrupt:
         engine.shutdown()
@@ -175,10 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen, skip=("seed",))  # --seed is the request's
     gen.set_defaults(func=_generate)
 
-    srv = sub.add_parser("serve", help="serve the model over gRPC (LookaheadService, health, reflection)")
+    srv = sub.add_parser("serve", help="serve the model over gRPC (LookaheadService, health, reflection) and HTTP")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model, as --model (default: the embedded SmolLM2-135M-Instruct)")
     _add_engine_args(srv)
+    srv.add_argument("--disable-log-requests", action="store_true",
+                     help="no log line per finished request (logger lookahead_serve.requests)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     srv.add_argument("--port", type=int, default=50051, help="gRPC port (default: %(default)s)")
+    srv.add_argument("--http-port", type=int, default=8000,
+                     help="OpenAI-compatible HTTP API port (default: %(default)s)")
     srv.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     srv.add_argument("--served-model-name", default=None, help="name clients may put in GenerateRequest.model")
     srv.add_argument("--max-live-requests", type=int, default=256,
@@ -209,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        configure_logging(args)
         return args.func(args)
     except ValueError as e:
         print(f"lookahead-serve: error: {e}", file=sys.stderr)

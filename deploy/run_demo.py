@@ -1,5 +1,5 @@
-"""`make run`: start the server on the default model, wait until it is healthy, stream one demo answer
-through the real client, then keep serving until Ctrl-C."""
+"""`make run`: start the server on the default model (gRPC and the OpenAI-compatible HTTP API), wait until
+it is healthy, stream one demo answer through the real client, then keep serving until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
@@ -46,14 +47,17 @@ def main() -> int:
     args = ap.parse_args()
     target = f"{args.host}:{args.port}"
     print(f"[run] starting lookahead-serve on {target} (the first start converts the model once, ~20 s)", flush=True)
-    server = subprocess.Popen([BIN, "serve", "--host", args.host, "--port", str(args.port)])
+    server = subprocess.Popen([BIN, "serve", "--host", args.host, "--port", str(args.port),
+                               "--http-port", str(args.http_port)])
     try:
         wait_healthy(target, server, args.startup_timeout)
         print(f"[run] demo request: {args.prompt!r}", flush=True)
         subprocess.run([BIN, "client", args.prompt, "--server", target, "--max-tokens", str(args.max_tokens)], check=False)
         if args.no_wait:
             return 0
-        print(f"[run] serving on {target}; try `.venv/bin/lookahead-serve client \"Hello\"`; Ctrl-C stops it", flush=True)
+        print(f"[run] serving gRPC on {target} and the OpenAI API on http://{args.host}:{args.http_port}/v1; try "
+              f"`.venv/bin/lookahead-serve client \"Hello\"` or `curl http://{args.host}:{args.http_port}/v1/models`; "
+              "Ctrl-C stops it", flush=True)
         return server.wait()
     except KeyboardInterrupt:
         return 0

@@ -17,8 +17,8 @@ def _help(text: str, choices: tuple[str, ...] | None = None, **kw):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = _help("a Hugging Face folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-                              default=None)
+    model: str | None = _help("a Hugging Face folder, a .gguf file or a Hub id (org/name[@revision]) in the local "
+                              "Hugging Face cache (default: the embedded SmolLM2-135M-Instruct)", default=None)
     dtype: str = _help("weights and KV cache dtype: auto = bfloat16 on CUDA and on CPUs with native bf16 "
                        "(avx512_bf16 or AMX), else float32", choices=_DTYPES, default="auto")
     max_model_len: int | None = _help("prompt + output token cap (default: the model's)", default=None)

@@ -1,6 +1,7 @@
 """Find a model's files and load its config, weights and tokenizer. No hub access, ever.
 
-A model is a Hugging Face folder (config.json + *.safetensors [+ tokenizer files]) or a GGUF file. A GGUF
+A model is a Hugging Face folder (config.json + *.safetensors [+ tokenizer files]), a GGUF file, or a Hub id
+("org/name[@revision]") already in the local Hugging Face cache (HF_HUB_CACHE / HF_HOME). A GGUF
 file is dequantized by transformers once (about 20 s for the default model) and written as a safetensors
 folder under the user's cache directory ($XDG_CACHE_HOME/lookahead-serve, else ~/.cache/lookahead-serve),
 which later loads take in about a second.
@@ -13,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -47,11 +49,57 @@ def default_model_file() -> Path:
     return path
 
 
-def gguf_source(model: str | os.PathLike | None) -> Path | None:
-    """The GGUF file behind ``model`` (None = the embedded default), or None for a Hugging Face folder."""
+# "org/name" or "org/name@revision" (a branch, tag or commit); checked only when no such local path exists
+_HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+
+
+def hub_id(model: str | os.PathLike) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) when ``model`` is not an existing local path but reads as a Hub id, else None."""
+    text = os.fspath(model)
+    match = _HUB_ID.fullmatch(text)
+    if match is None or Path(text).expanduser().exists():
+        return None
+    return match["repo"], match["revision"]
+
+
+def default_served_name(model: str | os.PathLike | None) -> str:
+    """The name a server gives ``model`` unless told one: a Hub id as given (vLLM's default), a path's last
+    part, or the embedded model's name."""
     if model is None:
-        return default_model_file()
-    path = Path(model).expanduser()
+        return DEFAULT_MODEL_NAME
+    hub = hub_id(model)
+    return hub[0] if hub is not None else os.path.basename(os.path.normpath(os.fspath(model)))
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The folder of Hub model ``repo_id`` in the local Hugging Face cache; ValueError if it is not there.
+
+    huggingface_hub's own cache lookup (refs/<revision> -> snapshots/<commit>/), with ``local_files_only``:
+    it never touches the network."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, IncompleteSnapshotError, LocalEntryNotFoundError
+
+    name = repo_id if revision is None else f"{repo_id}@{revision}"
+    get = f"hf download {repo_id}" + ("" if revision is None else f" --revision {revision}")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except IncompleteSnapshotError:
+        raise ValueError(f"model {name!r} is only partly in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+                         f"`{get}` completes it (models are never downloaded here)") from None
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ValueError(f"model {name!r} is not a local path and not in the local Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}); get it with `{get}` (models are never downloaded here)"
+                         ) from None
+
+
+def local_path(model: str | os.PathLike) -> Path:
+    """``model`` on disk: the path itself, or a Hub id's snapshot folder in the local Hugging Face cache."""
+    hub = hub_id(model)
+    return cached_snapshot(*hub) if hub is not None else Path(model).expanduser()
+
+
+def _gguf_in(path: Path) -> Path | None:
+    """``path`` if it is a .gguf file, the folder's only .gguf file if it has no config.json, else None."""
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and not (path / "config.json").is_file():
@@ -61,17 +109,24 @@ def gguf_source(model: str | os.PathLike | None) -> Path | None:
     return None
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file behind ``model`` (None = the embedded default), or None for a Hugging Face folder."""
+    return default_model_file() if model is None else _gguf_in(local_path(model))
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Return a local Hugging Face folder for ``model`` (None = the embedded default), converting GGUF once."""
-    gguf = gguf_source(model)
+    if model is None:
+        return convert_gguf(default_model_file())
+    path = local_path(model)
+    gguf = _gguf_in(path)
     if gguf is not None:
         return convert_gguf(gguf)
-    path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ValueError(
-        f"model {str(model)!r} is not a Hugging Face folder (config.json + safetensors) or a .gguf file; "
-        "models are never downloaded"
+        f"model {str(model)!r} is not a Hugging Face folder (config.json + safetensors), a .gguf file or a Hub id "
+        "in the local Hugging Face cache; models are never downloaded"
     )
 
 

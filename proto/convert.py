@@ -43,8 +43,6 @@ def to_sampling_params(request: pb.GenerateRequest, max_model_len: int) -> Sampl
     for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens"):
         if s.HasField(name):
             kwargs[name] = getattr(s, name)
-    if "max_tokens" in kwargs and kwargs["max_tokens"] > max_model_len:
-        raise ValueError(f"max_tokens {kwargs['max_tokens']} exceeds the server's max_model_len {max_model_len}")
     if s.stop:
         kwargs["stop"] = list(s.stop)
     if s.stop_token_ids:
@@ -57,6 +55,13 @@ def to_sampling_params(request: pb.GenerateRequest, max_model_len: int) -> Sampl
             if la.enabled
             else LookaheadParams(enabled=False)
         )
+    return checked_sampling_params(kwargs, max_model_len)
+
+
+def checked_sampling_params(kwargs: dict, max_model_len: int) -> SamplingParams:
+    """SamplingParams(**kwargs), with the server's own limits: what gRPC and HTTP both check."""
+    if kwargs.get("max_tokens") is not None and kwargs["max_tokens"] > max_model_len:
+        raise ValueError(f"max_tokens {kwargs['max_tokens']} exceeds the server's max_model_len {max_model_len}")
     return SamplingParams(**kwargs)
 
 

@@ -12,8 +12,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
-from collections.abc import Callable
+import socket
+import ssl
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -23,12 +28,16 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from lookahead_serve.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from lookahead_serve.engine.llm_engine import LLMEngine, PromptType
+from lookahead_serve.engine.outputs import RequestOutput
 from lookahead_serve.proto.convert import to_lookahead_proto, to_prompt, to_response, to_sampling_params
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2 as pb
 from lookahead_serve.proto.lookahead.v1 import lookahead_pb2_grpc as pb_grpc
 from lookahead_serve.proto.metrics import ServerMetrics
+from lookahead_serve.scheduler import SamplingParams
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("lookahead_serve.requests")  # one line per request: vLLM's request log
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["LookaheadService"].full_name
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024  # gRPC's own default; a 32k-token prompt is well under 1 MiB
 STATUS_FLUSH_S = 5.0  # after a drain: time for the last statuses to reach their clients before the server closes
@@ -62,19 +71,18 @@ class ServiceCore:
         if not self.accepting:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
 
-    async def outputs(self, request: pb.GenerateRequest):
-        """RequestOutputs of one call; every failure raised as a RequestError with its status code."""
+    async def run(self, build: Callable[[LLMEngine], tuple[PromptType, SamplingParams]],
+                  request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of one request; every failure raised as a RequestError with its status code.
+        ``build`` turns the call into a prompt and sampling params (a ValueError there is bad input)."""
         self._check_accepting()
-        eng = self.engine.engine
+        last = None
         try:
-            if request.model and request.model != self.model_name:
-                raise ValueError(f"model {request.model!r} is not served here; this server serves {self.model_name!r}")
-            prompt = to_prompt(request, eng)
-            params = to_sampling_params(request, eng.model_info().max_model_len)
-            async for out in self.engine.generate(prompt, params, request.request_id or None):
-                if out.finished and self.metrics is not None:
-                    self.metrics.observe_finished(out)
-                yield out
+            prompt, params = build(self.engine.engine)
+            async for last in self.engine.generate(prompt, params, request_id):
+                if last.finished:
+                    self._observe_finished(last)
+                yield last
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except QueueFullError as e:
@@ -83,6 +91,31 @@ class ServiceCore:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except RuntimeError as e:
             raise RequestError(grpc.StatusCode.INTERNAL, str(e)) from None
+        finally:
+            if last is not None and not last.finished:
+                request_log.info("request %s ended early after %d tokens", last.request_id, last.num_generated_tokens)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        """Metrics, and one log line per finished request (never its text)."""
+        if self.metrics is not None:
+            self.metrics.observe_finished(out)
+        m = out.metrics
+        latency = (m.finished_time - m.arrival_time) if m.finished_time is not None else 0.0
+        ttft = m.time_to_first_token or 0.0
+        request_log.info("request %s finished (%s): %d prompt + %d output tokens, %.2f tokens/step, %.3f s, "
+                         "first token %.3f s", out.request_id, out.outputs[0].finish_reason, len(out.prompt_token_ids),
+                         out.num_generated_tokens, m.tokens_per_step, latency, ttft)
+
+    async def outputs(self, request: pb.GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of one gRPC call (see ``run``)."""
+
+        def build(eng: LLMEngine) -> tuple[PromptType, SamplingParams]:
+            if request.model and request.model != self.model_name:
+                raise ValueError(f"model {request.model!r} is not served here; this server serves {self.model_name!r}")
+            return to_prompt(request, eng), to_sampling_params(request, eng.model_info().max_model_len)
+
+        async for out in self.run(build, request.request_id or None):
+            yield out
 
     async def stream(self, request: pb.GenerateRequest):
         async for out in self.outputs(request):
@@ -215,6 +248,7 @@ class RunningServer:
     port: int
     core: ServiceCore
     health: health.aio.HealthServicer
+    http: HttpServer | None = None  # the OpenAI-compatible HTTP API, when it was asked for
 
     async def shutdown(self, grace: float) -> None:
         """Drain, then stop: health NOT_SERVING and new LookaheadService calls UNAVAILABLE at once, live
@@ -222,7 +256,59 @@ class RunningServer:
         self.core.accepting = False
         await self.health.enter_graceful_shutdown()
         await asyncio.to_thread(self.core.engine.shutdown, grace)  # blocks until drained or grace is up
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(STATUS_FLUSH_S)  # lets the aborted calls send their UNAVAILABLE
+
+
+class HttpServer:
+    """uvicorn serving the OpenAI-compatible app in this event loop. The server's own signal handling
+    (serve_forever) stays in charge: uvicorn's is turned off."""
+
+    def __init__(self, app, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextmanager
+            def capture_signals(self):
+                yield
+
+        tls = {} if ssl_context is None else {"ssl_context_factory": lambda config, default: ssl_context}
+        self.server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                            timeout_graceful_shutdown=STATUS_FLUSH_S, **tls))
+        self.task: asyncio.Task | None = None
+        self.host, self.port = host, port
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:  # bound here, so a port in use is a clear error rather than uvicorn's exit
+            sock.bind((self.host, self.port))
+        except OSError as e:
+            sock.close()
+            raise ValueError(f"cannot serve HTTP on {self.host}:{self.port}: {e.strerror}") from None
+        self.port = sock.getsockname()[1]
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started and not self.task.done():
+            await asyncio.sleep(0.01)
+
+    @staticmethod
+    def tls_context(cert_pem: bytes, key_pem: bytes) -> ssl.SSLContext:
+        """A server TLS context from PEM bytes (the ones gRPC takes); OpenSSL loads them from files only."""
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        with tempfile.TemporaryDirectory() as folder:  # private to this user, removed at once
+            cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+            for path, data in ((cert, cert_pem), (key, key_pem)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(data)
+            context.load_cert_chain(cert, key)
+        return context
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
 
 
 async def start_server(
@@ -236,9 +322,12 @@ async def start_server(
     api_key: str | None = None,
     ssl_cert_pem: bytes | None = None,
     ssl_key_pem: bytes | None = None,
+    http_port: int | None = None,
 ) -> RunningServer:
     """Start serving (port 0 picks a free one). Larger request messages get RESOURCE_EXHAUSTED; with
-    ``api_key`` LookaheadService calls need it; with a PEM certificate chain and key it serves TLS."""
+    ``api_key`` LookaheadService calls need it; with a PEM certificate chain and key it serves TLS. With
+    ``http_port`` the OpenAI-compatible HTTP API is served too (proto/openai_api.py), with the same API
+    key and TLS."""
     if max_receive_message_bytes < 1:
         raise ValueError(f"max_receive_message_bytes must be positive, got {max_receive_message_bytes}")
     if (ssl_cert_pem is None) != (ssl_key_pem is None):
@@ -263,9 +352,20 @@ async def start_server(
     if bound == 0:
         raise ValueError(f"cannot bind {address}")
     await server.start()
+    http = None
+    if http_port is not None:
+        from lookahead_serve.proto.openai_api import build_app
+
+        tls = None if ssl_cert_pem is None else HttpServer.tls_context(ssl_cert_pem, ssl_key_pem)
+        http = HttpServer(build_app(core, api_key, metrics.registry), host, http_port, tls)
+        try:
+            await http.start()
+        except BaseException:
+            await server.stop(None)
+            raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, bound, core, health_servicer)
+    return RunningServer(server, bound, core, health_servicer, http)
 
 
 async def serve_forever(engine: AsyncLLMEngine, model_name: str, host: str, port: int, metrics_port: int | None,
@@ -292,8 +392,10 @@ async def serve_forever(engine: AsyncLLMEngine, model_name: str, host: str, port
         loop.add_signal_handler(sig, on_signal, sig)
     tls = ", TLS" if server_options.get("ssl_cert_pem") else ""
     key = ", API key required" if server_options.get("api_key") else ""
-    logger.info("serving %s on %s:%d%s%s", model_name, host, running.port, tls, key)
-    print(f"lookahead-serve: serving {model_name} on {host}:{running.port}{tls}{key}"
+    scheme = "https" if server_options.get("ssl_cert_pem") else "http"
+    http = f", OpenAI API on {scheme}://{host}:{running.http.port}/v1" if running.http is not None else ""
+    logger.info("serving %s on %s:%d%s%s%s", model_name, host, running.port, tls, key, http)
+    print(f"lookahead-serve: serving {model_name} on {host}:{running.port}{tls}{key}{http}"
           + (f", metrics on http://{host}:{metrics_port}/metrics" if metrics_port else ""), flush=True)
     try:
         await stop.wait()

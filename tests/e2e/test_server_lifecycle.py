@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -153,13 +154,14 @@ class ServeProcess:
 
     def __init__(self, model: str, *flags: str) -> None:
         argv = [sys.executable, "-m", "lookahead_serve.deploy.cli", "serve", "--model", model, "--port", "0",
-                "--kv-cache-memory-gib", "0.01", "--served-model-name", "tiny", *flags]
+                "--http-port", "0", "--kv-cache-memory-gib", "0.01", "--served-model-name", "tiny", *flags]
         self.proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        self.port = int(self.wait_for(r"serving tiny on 127\.0\.0\.1:(\d+)").group(1))
+        ports = self.wait_for(r"serving tiny on 127\.0\.0\.1:(\d+).*OpenAI API on (http://127\.0\.0\.1:\d+)")
+        self.port, self.http_url = int(ports.group(1)), ports.group(2)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.LookaheadServiceStub(self.channel)
 
@@ -225,6 +227,9 @@ def test_sigterm_drains_live_streams_and_exits_0(serve_process):
                 lambda: list(server.stub.Generate(_request(), timeout=5)),
                 lambda: server.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=5)):
         assert _code(rpc) == grpc.StatusCode.UNAVAILABLE
+    assert httpx.get(f"{server.http_url}/health", timeout=5).status_code == 503  # the HTTP API drains alike
+    r = httpx.post(f"{server.http_url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=5)
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
     rest = list(stream)  # the live stream runs to its end
     assert rest[-1].finish_reason == "length"
     assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 500
