@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 _ENGINE = Path(__file__).parent
 SOURCES = [_ENGINE / "quant" / "blockq.c", _ENGINE / "attention" / "paged_cpu.c", _ENGINE / "models" / "ops_cpu.c"]
 HEADERS = [_ENGINE / "cpu_kernels.h"]
+# The kernels' dtype codes (cpu_kernels.h): the one table every caller passes from
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -39,6 +41,18 @@ def unavailable_reason() -> str | None:
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Why the kernels cannot be used here, found by building and loading them once; None if they load."""
+    if (reason := unavailable_reason()) is not None:
+        return reason
+    try:
+        library()
+    except (RuntimeError, OSError) as e:
+        return str(e)
+    return None
 
 
 @functools.cache

@@ -27,7 +27,7 @@ from lookahead_serve.scheduler.cost import StepCostModel
 logger = logging.getLogger(__name__)
 
 CONTEXT = 48  # tokens each synthetic request has in the cache
-PROFILE_VERSION = 1  # bump when the profile's steps or derivation change: older cached profiles are ignored
+PROFILE_VERSION = 2  # 2: the C decoder step; bump when the profile's steps or derivation change: older cached profiles are ignored
 
 
 def knots_for(max_tokens: int) -> list[int]:

@@ -37,24 +37,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lookahead_serve.engine import native
 from lookahead_serve.engine.attention.backend import AttentionBackend, AttentionMetadata, CommonAttentionMetadata, SegmentKind
 from lookahead_serve.engine.attention.shared import PaddedBatch, cached_keys, padded_batch
 
 LANES = 16
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def kernel_supports(head_dim: int | None) -> bool:
-    """Whether the C kernel runs here for this head width (None: any the kernel takes)."""
-    from lookahead_serve.engine.native import unavailable_reason
-
-    return unavailable_reason() is None and (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256))
+    """Whether the C kernel runs here (it builds and loads) for this head width (None: any it takes)."""
+    return (head_dim is None or (head_dim % 8 == 0 and head_dim <= 256)) and native.load_error() is None
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    from lookahead_serve.engine import native
-
     lib = native.library()
     i, l, p = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
     lib.paged_attention.restype = i
@@ -111,8 +107,8 @@ def attend_kernel(q, k, v, kv_cache: torch.Tensor, plan: KeyPlan, block_size: in
     (the step's); kv_cache [2, slots, KVH, D], contiguous."""
     T, H, D = q.shape
     kvh = k.shape[1]
-    if not (q.dtype == k.dtype == v.dtype == kv_cache.dtype) or q.dtype not in _KERNEL_DTYPES:
-        raise ValueError(f"the invariant CPU kernel takes one of {list(_KERNEL_DTYPES)}, got q {q.dtype}, "
+    if not (q.dtype == k.dtype == v.dtype == kv_cache.dtype) or q.dtype not in native.DTYPE_CODES:
+        raise ValueError(f"the invariant CPU kernel takes one of {list(native.DTYPE_CODES)}, got q {q.dtype}, "
                          f"cache {kv_cache.dtype}")
     if not kv_cache.is_contiguous():
         raise ValueError("the invariant CPU kernel needs a contiguous KV cache")
@@ -120,7 +116,7 @@ def attend_kernel(q, k, v, kv_cache: torch.Tensor, plan: KeyPlan, block_size: in
     out = torch.empty(T, H, D, dtype=q.dtype)
     if T:
         rc = _library().paged_attention(
-            T, H, kvh, D, _KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+            T, H, kvh, D, native.DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
             v.data_ptr(), v.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), plan.slots.data_ptr(),
             plan.block_table.data_ptr(),
             plan.block_table.shape[1], block_size, plan.tok_seg.data_ptr(), plan.num_cached.data_ptr(),
@@ -175,7 +171,7 @@ class InvariantBackend(AttentionBackend):
         if impl not in ("auto", "kernel", "torch"):
             raise ValueError(f"impl must be auto, kernel or torch, got {impl!r}")
         if impl == "kernel" and not kernel_supports(head_dim):
-            raise ValueError("the invariant CPU kernel does not run here (see engine.native.unavailable_reason)")
+            raise ValueError("the invariant CPU kernel does not run here (see engine.native.load_error)")
         on_cpu = torch.device(device).type == "cpu"
         self.use_kernel = impl == "kernel" or (impl == "auto" and on_cpu and kernel_supports(head_dim))
 

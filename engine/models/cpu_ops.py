@@ -10,23 +10,19 @@ import logging
 
 import torch
 
+from lookahead_serve.engine import native
+
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.bfloat16: 1, torch.float16: 2}
+_DTYPES = {d: code for d, code in native.DTYPE_CODES.items() if d != torch.float32}  # float32 stays in torch
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    from lookahead_serve.engine import native
-
-    if (reason := native.unavailable_reason()) is not None:
+    if (reason := native.load_error()) is not None:
         logger.info("decoder operations in torch: %s", reason)
         return None
-    try:
-        lib = native.library()
-    except RuntimeError as e:
-        logger.warning("decoder operations in torch: %s", e)
-        return None
+    lib = native.library()
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.rms_norm.restype = lib.rotary.restype = None
     lib.rms_norm.argtypes = [i, i, p, p, p, ctypes.c_float, p, i]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from lookahead_serve.engine.config import QUANTIZATIONS
-from lookahead_serve.engine.quant.kernel import unavailable_reason
+from lookahead_serve.engine.native import load_error
 from lookahead_serve.engine.quant.linear import BlockQuantLinear, BlockWeight, pack
 
 __all__ = ["BlockQuantLinear", "BlockWeight", "FUSED", "PackedWeight", "QUANTIZATIONS", "load_packed",
@@ -51,7 +51,7 @@ def resolve_quantization(quantization: str, gguf_file: Path | None, device: str)
     elif device != "cpu":
         reason = "block-quantized weights run on the CPU only"
     else:
-        reason = unavailable_reason()
+        reason = load_error()  # built and loaded once, so a failed build dequantizes here
     if reason is None:
         return "gguf"
     if quantization == "gguf":

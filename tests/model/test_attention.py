@@ -3,6 +3,10 @@ dense-mask oracle, on a packed batch of prefill chunks, decodes and lookahead se
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -91,3 +95,21 @@ def test_plain_tokens_are_written_and_lookahead_tokens_are_not():
     # positions 2, 3 in block 5 and 4 in block 8; every lookahead token is transient (-1)
     assert inputs.meta.slot_mapping.tolist() == [22, 23, 32] + [-1] * la.num_tokens
     assert inputs.positions.tolist() == [2, 3, 4] + [1 + o for o in la.tree()[0]]
+
+
+def test_a_failed_kernel_build_falls_back_to_torch(tmp_path):
+    """A machine that could run the C kernels but cannot build them (here: a compiler that fails) gets the
+    torch paths everywhere, not an error at the first step."""
+    from lookahead_serve.engine import native
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(native.unavailable_reason())
+    script = ("from lookahead_serve.engine import native\n"
+              "from lookahead_serve.engine.attention.invariant import kernel_supports\n"
+              "from lookahead_serve.engine.models import cpu_ops\n"
+              "from lookahead_serve.engine.quant import resolve_quantization\n"
+              "print(native.load_error().startswith('building'), kernel_supports(64),\n"
+              "      cpu_ops._library() is None, resolve_quantization('auto', 'm.gguf', 'cpu'))\n")
+    env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "False", "True", "none"], out.stderr
