@@ -38,6 +38,7 @@ from lookahead_serve.engine.loader import default_model_file
 from lookahead_serve.engine.step_profile import _decodes, _segments, _time_all
 from defaults import HF
 from lookahead import DATA, OFF, _emit, _header, load_prompts, log
+from startup import start_once
 
 LLAMA_WORKER = textwrap.dedent("""
     import json, resource, sys, time
@@ -55,19 +56,6 @@ LLAMA_WORKER = textwrap.dedent("""
         print(json.dumps({"tokens": out["usage"]["completion_tokens"], "seconds": secs,
                           "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 """)
-
-STARTUP = textwrap.dedent("""
-    import json, resource, time
-    t0 = time.perf_counter()
-    from lookahead_serve import LLM, SamplingParams
-    llm = LLM()
-    loaded = time.perf_counter() - t0
-    llm.generate("Hello", SamplingParams(max_tokens=1, temperature=0))
-    print(json.dumps({"load_s": loaded, "first_token_s": time.perf_counter() - t0,
-                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "quantization": llm.engine.quantization, "dtype": llm.engine.model_info().dtype}))
-""")
-
 
 class LlamaCpp:
     """llama-cpp-python in a worker process of another venv: token ids in, (tokens, seconds) out."""
@@ -136,8 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     for _ in range(2):  # the first start may build the kernel, pack the weights and profile step costs
-        startup = json.loads(subprocess.run([sys.executable, "-c", STARTUP], capture_output=True, text=True,
-                                            check=True).stdout.strip().splitlines()[-1])
+        startup = start_once(sys.executable)
     log(f"engine start-up: {startup}")
     llm = LLM()
     dequantized = None if args.no_dequantized else LLM(quantization="none")

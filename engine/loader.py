@@ -231,16 +231,10 @@ def load_tokenizer(folder: Path):
     """The folder's tokenizer, or None if it has none (token-id prompts only)."""
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    try:
-        tokenizer_class = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        tokenizer_class = None
-    if tokenizer_class == "TokenizersBackend" and (folder / "tokenizer.json").is_file():
-        # The class AutoTokenizer would pick, without its config lookup (seconds of imports; converted GGUF
-        # models are saved so)
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    from lookahead_serve.engine.tokenizer import FastTokenizer
 
-        return TokenizersBackend.from_pretrained(folder)
+    if (fast := FastTokenizer.load(folder)) is not None:  # a plain tokenizer.json: no transformers import
+        return fast
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)

@@ -58,8 +58,6 @@ class RotaryEmbedding(nn.Module):
 
     def build(self) -> None:
         """Fill the tables (after the module is materialised on its device)."""
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
         config, dim = self.config, head_dim(self.config)
         rope = getattr(config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
@@ -67,7 +65,9 @@ class RotaryEmbedding(nn.Module):
             base = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scaling = 1.0
-        else:
+        else:  # scaled ropes (llama3, yarn, ...) as transformers computes them
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         pos = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq.float()[None, :]  # [max_pos, head_dim / 2]

@@ -113,3 +113,12 @@ def test_a_failed_kernel_build_falls_back_to_torch(tmp_path):
     env = {**os.environ, "CC": "false", "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "False", "True", "none"], out.stderr
+
+
+def test_cpu_kv_caches_are_zero_and_disjoint():
+    from lookahead_serve.engine.model_runner import _zeroed
+
+    caches = _zeroed(3, (2, 64, 2, 8), torch.bfloat16, torch.device("cpu"))
+    assert all(c.shape == (2, 64, 2, 8) and c.dtype == torch.bfloat16 and not c.any() for c in caches)
+    caches[1].fill_(1.5)
+    assert not caches[0].any() and not caches[2].any() and bool((caches[1] == 1.5).all())
