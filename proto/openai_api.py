@@ -225,7 +225,7 @@ class OpenAIServer:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
-        self.core._check_accepting()
+        self.core.check_accepting()
         info = self.core.engine.engine.model_info()
         return {"object": "list", "data": [{"id": self.core.model_name, "object": "model", "created": 0,
                                             "owned_by": "lookahead-serve", "root": self.core.model_name,

@@ -67,7 +67,7 @@ class ServiceCore:
         self.metrics = metrics
         self.accepting = True
 
-    def _check_accepting(self) -> None:
+    def check_accepting(self) -> None:
         if not self.accepting:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
 
@@ -75,7 +75,7 @@ class ServiceCore:
                   request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one request; every failure raised as a RequestError with its status code.
         ``build`` turns the call into a prompt and sampling params (a ValueError there is bad input)."""
-        self._check_accepting()
+        self.check_accepting()
         last = None
         try:
             prompt, params = build(self.engine.engine)
@@ -130,7 +130,7 @@ class ServiceCore:
         return to_response(last, last.outputs[0].text, last.outputs[0].token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        self._check_accepting()
+        self.check_accepting()
         info = self.engine.engine.model_info()
         la = info.lookahead
         return pb.ModelInfo(

@@ -180,8 +180,15 @@ def test_health_metrics_and_shutting_down(server, client):
     running, _ = server
     base = f"http://127.0.0.1:{running.http.port}"
     assert httpx.get(f"{base}/health").status_code == 200
+    client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=4)
     metrics = httpx.get(f"{base}/metrics")
-    assert metrics.status_code == 200 and "lookahead" in metrics.text
+    assert metrics.status_code == 200
+    values = {line.rpartition(" ")[0]: float(line.rpartition(" ")[2]) for line in metrics.text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['lookahead:generation_tokens_total{model_name="tiny"}'] >= 4
+    assert values['lookahead:request_success_total{finished_reason="length",model_name="tiny"}'] >= 1
+    assert values['lookahead:num_requests_running{model_name="tiny"}'] == 0
+    assert 'lookahead:spec_decode_num_draft_tokens_total{model_name="tiny"}' in values
     running.core.accepting = False
     try:
         assert httpx.get(f"{base}/health").status_code == 503
