@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from lookahead_serve.engine.llm_engine import LLMEngine, PromptType
 from lookahead_serve.engine.outputs import RequestOutput
 from lookahead_serve.proto.convert import checked_sampling_params
-from lookahead_serve.proto.server import RequestError, ServiceCore
+from lookahead_serve.proto.server import RequestError, ServiceCore, last_output
 from lookahead_serve.scheduler import LookaheadParams, SamplingParams
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -41,9 +41,12 @@ _ERROR_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+def _error_body(status: int, message: str) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPE.get(status, "APIError"), "param": None, "code": status}}
+
+
 def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": _ERROR_TYPE.get(status, "APIError"), "param": None,
-                                   "code": status}}, status_code=status)
+    return JSONResponse(_error_body(status, message), status_code=status)
 
 
 def _status(e: RequestError) -> int:
@@ -256,7 +259,7 @@ class OpenAIServer:
         outputs = self.core.run(build, request_id)
         shape = _Shape(request_id, self.core.model_name, kind)
         if not body.stream:
-            work = asyncio.ensure_future(_last(outputs))
+            work = asyncio.ensure_future(last_output(outputs))
             last = await _until_disconnected(request, work)
             return Response(status_code=499) if last is None else JSONResponse(shape.whole(last))
         try:  # the first output comes after the request is checked and added: errors keep their status
@@ -265,14 +268,6 @@ class OpenAIServer:
             await outputs.aclose()
             raise
         return StreamingResponse(shape.stream(first, outputs, body.include_usage), media_type="text/event-stream")
-
-
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for last in outputs:
-        pass
-    assert last is not None
-    return last
 
 
 def _validation_message(e: RequestValidationError) -> str:
@@ -324,8 +319,7 @@ class _Shape:
             if include_usage:
                 yield _sse({**self._object([], stream=True), "usage": _usage(out)})
         except RequestError as e:
-            yield _sse({"error": {"message": e.details, "type": _ERROR_TYPE.get(_status(e), "APIError"),
-                                  "param": None, "code": _status(e)}})
+            yield _sse(_error_body(_status(e), e.details))
         finally:
             await rest.aclose()  # a client gone mid-stream: the engine aborts the request
         yield "data: [DONE]\n\n"

@@ -124,9 +124,7 @@ class ServiceCore:
                 yield to_response(out, c.delta_text, c.delta_token_ids)
 
     async def unary(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        last = None
-        async for out in self.outputs(request):
-            last = out
+        last = await last_output(self.outputs(request))
         return to_response(last, last.outputs[0].text, last.outputs[0].token_ids)
 
     def model_info(self) -> pb.ModelInfo:
@@ -140,6 +138,15 @@ class ServiceCore:
             default_lookahead=to_lookahead_proto(la.default),
             max_lookahead=to_lookahead_proto((la.max_window_size, la.max_ngram_size, la.max_verification_set_size)),
         )
+
+
+async def last_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A request's final output (the whole answer), once its stream ends."""
+    last = None
+    async for last in outputs:
+        pass
+    assert last is not None  # a stream ends with its finished output or raises
+    return last
 
 
 @dataclass(frozen=True, slots=True)
