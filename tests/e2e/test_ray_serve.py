@@ -220,8 +220,10 @@ def test_cancel_through_the_http_proxy_frees_the_kv_blocks_and_metrics_reach_ray
     _wait_until(settled, "the cancelled request freed in Ray's metrics", 60)
     assert seen["ray_lookahead_request_success_total"] >= 6  # the earlier tests' finished requests
     assert seen["ray_lookahead_e2e_request_latency_seconds_count"] >= 6
-    assert seen["ray_lookahead_spec_decode_num_accepted_tokens_total"] <= seen[
-        "ray_lookahead_spec_decode_num_draft_tokens_total"]
+    # Ray exports a counter from its first increment on: no lookahead draft yet (the adaptive policy may have
+    # decoded plainly) leaves both draft counters absent, i.e. zero
+    drafts = [seen.get(f"ray_lookahead_spec_decode_num_{n}_tokens_total", 0.0) for n in ("accepted", "draft")]
+    assert drafts[0] <= drafts[1]
 
 
 def test_a_stopping_replica_lets_its_live_stream_finish(ray_serve_app):
