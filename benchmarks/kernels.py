@@ -6,14 +6,20 @@ int8 and int4 CPU kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cp
 FBGEMM's dynamic int8 linear (``quantize_dynamic``: per-tensor activation scale, so not row-invariant), and
 the engine's block-quantized kernel (engine/quant: 4-bit blocks, int8 activations per block). Rounds
 interleave the candidates; the table gives the median over rounds of each step time and the range.
+``--against REV`` adds the block kernel as it was at git revision REV (built from that revision's blockq.c
+into a temporary library), fed the same weights and inputs, and checks that both give the same bits.
 
     .venv/bin/python benchmarks/kernels.py --results benchmarks/results/DATE-kernels.md
+    .venv/bin/python benchmarks/kernels.py --kinds "block 4-bit (engine)" --against HEAD~1 --rounds 9
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from lookahead_serve.engine import native
 from lookahead_serve.engine.model_runner import _without_onednn
 from lookahead_serve.engine.quant import BlockQuantLinear, BlockWeight
 from lookahead import _emit, _header, log
@@ -67,6 +74,38 @@ def _make(kind: str, n: int, k: int, gen: torch.Generator):
     raise ValueError(kind)
 
 
+class _RevisionKernel:
+    """The block kernel of git revision ``rev``, applied to a copy of an engine BlockQuantLinear's packed weights
+    (a copy, so that neither kind finds the other's weights in cache; the packed layout is checked to be the
+    same)."""
+
+    def __init__(self, rev: str) -> None:
+        root = Path(__file__).resolve().parents[1]
+        self.dir = tempfile.TemporaryDirectory()
+        d = Path(self.dir.name)
+        for rel in ("engine/quant/blockq.c", "engine/cpu_kernels.h"):
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, check=True,
+                                                 capture_output=True).stdout)
+        so = d / "blockq.so"
+        subprocess.run([native._compiler(), *native.FLAGS, "-o", str(so), str(d / "engine/quant/blockq.c")], check=True)
+        self.lib = ctypes.CDLL(str(so))
+        p, i = ctypes.c_void_p, ctypes.c_int
+        self.lib.blockq_linear.argtypes = [i, i, i, p, i, p, i, p, i, p, i]
+        self.lib.blockq_packed_bytes.restype = ctypes.c_long
+        self.lib.blockq_packed_bytes.argtypes = [i, i, i]
+
+    def wrap(self, lin: BlockQuantLinear) -> BlockQuantLinear:
+        """The same layer over a copy of its weights, calling this revision's kernel (the Python around the
+        call is the engine's, so both kinds pay the same per-call cost)."""
+        n, k, q4 = lin.out_features, lin.in_features, int(lin.q4)
+        if self.lib.blockq_packed_bytes(n, k, q4) != lin.packed.numel():
+            raise SystemExit("--against: that revision packs weights in another layout")
+        other = BlockQuantLinear(lin.packed.clone(), n, k, lin.q4, out_dtype=lin.out_dtype)
+        other._lib = self.lib  # the current scratch size is at least what earlier kernels needed
+        return other
+
+
 INPUT_DTYPE = {"float32": torch.float32, "FBGEMM dynamic int8": torch.float32}
 
 
@@ -76,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--kinds", nargs="*", default=["float32", "bfloat16", "int8 weight-only", "int4 weight-only",
                                                      "FBGEMM dynamic int8", "block 4-bit (engine)"])
+    ap.add_argument("--against", metavar="REV", default=None,
+                    help="also time the block kernel of this git revision (same weights; outputs checked equal)")
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
@@ -83,11 +124,22 @@ def main(argv: list[str] | None = None) -> None:
     for kind in args.kinds:
         log(f"building {kind}")
         steps[kind] = ([[_make(kind, n, k, gen) for n, k in SHAPES] for _ in range(LAYERS)], _make(kind, *HEAD, gen))
+    if args.against:
+        engine = steps.get("block 4-bit (engine)")
+        if engine is None:
+            raise SystemExit("--against needs the kind 'block 4-bit (engine)'")
+        rev = _RevisionKernel(args.against)
+        layers, head = engine
+        steps[f"block 4-bit @ {args.against}"] = ([[rev.wrap(lin) for lin in layer] for layer in layers], rev.wrap(head))
+        x = torch.randn(37, 576, generator=gen).bfloat16()  # 37 rows: every row-group size of both kernels
+        if not torch.equal(rev.wrap(head)(x), head(x)):
+            raise SystemExit(f"the block kernel at {args.against} gives other bits than the current one")
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode(), _without_onednn():
         for r in range(args.rounds):
             for m in args.rows:
-                for kind, (layers, head) in steps.items():
+                order = list(steps.items())
+                for kind, (layers, head) in (order[::-1] if r % 2 else order):  # alternate who goes first
                     dt = INPUT_DTYPE.get(kind, torch.bfloat16)
                     xs = {k: torch.randn(m, k, generator=gen).to(dt) for k in (576, 1536)}
 

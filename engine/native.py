@@ -56,6 +56,14 @@ def load_error() -> str | None:
 
 
 @functools.cache
+def source_digest() -> str:
+    """A hash of the kernels' sources and flags: names the built library, and keys what was measured with it
+    (the step-cost profile)."""
+    texts = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    return hashlib.sha256(texts + " ".join(FLAGS).encode()).hexdigest()[:16]
+
+
+@functools.cache
 def library() -> ctypes.CDLL:
     """The kernels compiled (on first use, cached by the hash of the sources and flags) and loaded; callers
     declare the signatures of the functions they use."""
@@ -63,9 +71,7 @@ def library() -> ctypes.CDLL:
 
     if (reason := unavailable_reason()) is not None:
         raise RuntimeError(reason)
-    texts = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(texts + " ".join(FLAGS).encode()).hexdigest()[:16]
-    path = cache_root() / "kernels" / f"engine-{digest}.so"
+    path = cache_root() / "kernels" / f"engine-{source_digest()}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")

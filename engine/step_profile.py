@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lookahead_serve.engine import native
 from lookahead_serve.kv_cache import cdiv
 from lookahead_serve.scheduler import LookaheadLayout, ScheduledRequest, SchedulerOutput
 from lookahead_serve.scheduler.cost import StepCostModel
@@ -152,7 +153,7 @@ def profile_key(runner, model_path: Path, backend: str, max_tokens: int, quantiz
     parts = [PROFILE_VERSION, platform.machine(), device_name, torch.__version__, torch.get_num_threads(),
              _model_key(model_path), str(runner.kv_caches[0].dtype), backend, runner.block_size, max_tokens]
     if quantization != "none":  # keeps the keys of dequantized models' profiles as they were
-        parts.append(quantization)
+        parts += [quantization, native.source_digest()]  # the C step's kernels: a change re-measures
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:20]
 
 

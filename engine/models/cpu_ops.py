@@ -11,6 +11,7 @@ import logging
 import torch
 
 from lookahead_serve.engine import native
+from lookahead_serve.engine.quant.linear import scratch_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class DecoderStep:
         x, delta, attn = (torch.empty(T, E, dtype=self.dtype) for _ in range(3))
         gate_up, act = torch.empty(T, 2 * I, dtype=self.dtype), torch.empty(T, I, dtype=self.dtype)
         kmax = max(E, I, H * D)
-        scratch = torch.empty(max(1, T * (kmax + 8 * kmax // 32)), dtype=torch.uint8)
+        scratch = torch.empty(scratch_bytes(T, kmax), dtype=torch.uint8)
         plan, positions = meta.plan, positions.contiguous()
         step = _Step(T, positions.data_ptr(), plan.slots.data_ptr(), plan.block_table.data_ptr(),
                      plan.block_table.shape[1], meta.block_size, plan.tok_seg.data_ptr(), plan.num_cached.data_ptr(),

@@ -134,7 +134,7 @@ typedef struct { /* the step, and its buffers (all in the dtype but the linear s
     long qkv_layer_stride;
     uint16_t *x, *delta, *attn; /* [T, hidden] each; x ends as the final norm's output */
     uint16_t *gate_up, *act;    /* [T, 2 I], [T, I] */
-    void *linear_scratch;       /* T * (max K + 8 max K / 32) bytes */
+    void *linear_scratch;       /* blockq_scratch_bytes(T, max K) bytes */
 } Step;
 
 /* Exactly the module path's operations (llama.py with C operations and block weights), in order; rows are

@@ -10,6 +10,10 @@
  *   + sum over blocks, in order, of m_w * (d_x * sum(q_x))         [one float]
  * The arithmetic of an element does not depend on M, N, the tiling or the thread count: a row's output
  * has the same bits whatever else shares the call.
+ *
+ * Above one row the kernel is compute-bound, so rows of x are taken in groups of up to 8 and each unpacked
+ * weight block serves the whole group (dot_row_xr); one to three rows take the four-accumulator form
+ * (dot_tile_x1). Both run the operations above lane by lane, so they give the same bits.
  */
 #include <math.h>
 
@@ -17,8 +21,9 @@
 
 #define QK 32
 
-/* One row of K values (bf16 if is_bf16, else float) -> int8 blocks, their scales and scaled sums. */
-static void quantize_row(const void *x, int is_bf16, int K, int8_t *q, float *d, float *s) {
+/* One row of K values (bf16 if is_bf16, else float) -> int8 blocks, and per block the scale and the scaled
+ * sum, written `stride` floats apart (the scratch holds them block-major). */
+static void quantize_row(const void *x, int is_bf16, int K, int8_t *q, float *d, float *s, long stride) {
     float buf[QK];
     for (int b = 0; b < K / QK; b++) {
         float amax = 0.0f;
@@ -36,8 +41,8 @@ static void quantize_row(const void *x, int is_bf16, int K, int8_t *q, float *d,
             q[b * QK + i] = (int8_t)v;
             sum += v;
         }
-        d[b] = db;
-        s[b] = db * (float)sum;
+        d[b * stride] = db;
+        s[b * stride] = db * (float)sum;
     }
 }
 
@@ -62,36 +67,86 @@ static inline __m256i unpack_nibbles(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-/* TILE outputs of one row; each element runs exactly the same arithmetic whatever its tile position. */
-static void dot_tile_q4(int nb, const int8_t *xq, const float *xd, const float *xs, const uint8_t *rec,
-                        float out[TILE]) {
+/* Rows of x are taken up to XR at a time. Their scales at one block are adjacent in the scratch (block-major,
+ * rows padded to a multiple of XR with zeros), so one load gives them all. */
+#define XR 8
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* One row of x against a tile's TILE weight rows (the memory-bound case: four independent accumulators). */
+ALWAYS_INLINE void dot_tile_x1(const int q4, int nb, long mp, const int8_t *xq, const float *xd, const float *xs,
+                               const uint8_t *rec, float out[TILE]) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (int b = 0; b < nb; b++, rec += Q4_RECORD) {
+    const long record = q4 ? Q4_RECORD : Q8_RECORD;
+    for (int b = 0; b < nb; b++, rec += record) {
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const float *d = (const float *)(rec + TILE * 16), *m = d + TILE;
-        const float dx = xd[b], sx = xs[b];
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[0] * dx), BLOCK_DOT(unpack_nibbles(rec), x, 1), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[1] * dx), BLOCK_DOT(unpack_nibbles(rec + 16), x, 1), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2] * dx), BLOCK_DOT(unpack_nibbles(rec + 32), x, 1), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3] * dx), BLOCK_DOT(unpack_nibbles(rec + 48), x, 1), a3);
-        s0 += m[0] * sx; s1 += m[1] * sx; s2 += m[2] * sx; s3 += m[3] * sx;
-    }
-    out[0] = hsum8(a0) + s0; out[1] = hsum8(a1) + s1; out[2] = hsum8(a2) + s2; out[3] = hsum8(a3) + s3;
-}
-
-static void dot_tile_q8(int nb, const int8_t *xq, const float *xd, const uint8_t *rec, float out[TILE]) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int b = 0; b < nb; b++, rec += Q8_RECORD) {
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
-        const float *d = (const float *)(rec + TILE * 32);
-        const float dx = xd[b];
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[0] * dx), BLOCK_DOT(_mm256_loadu_si256((const __m256i *)rec), x, 0), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[1] * dx), BLOCK_DOT(_mm256_loadu_si256((const __m256i *)(rec + 32)), x, 0), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2] * dx), BLOCK_DOT(_mm256_loadu_si256((const __m256i *)(rec + 64)), x, 0), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3] * dx), BLOCK_DOT(_mm256_loadu_si256((const __m256i *)(rec + 96)), x, 0), a3);
+        const float *d = (const float *)(rec + TILE * (q4 ? 16 : 32));
+        const float dx = xd[b * mp];
+        const int wb = q4 ? 16 : 32;
+#define W(j) (q4 ? unpack_nibbles(rec + (j) * 16) : _mm256_loadu_si256((const __m256i *)(rec + (j) * wb)))
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d[0] * dx), BLOCK_DOT(W(0), x, q4), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d[1] * dx), BLOCK_DOT(W(1), x, q4), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d[2] * dx), BLOCK_DOT(W(2), x, q4), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d[3] * dx), BLOCK_DOT(W(3), x, q4), a3);
+#undef W
+        if (q4) {
+            const float *m = d + TILE, sx = xs[b * mp];
+            s0 += m[0] * sx; s1 += m[1] * sx; s2 += m[2] * sx; s3 += m[3] * sx;
+        }
     }
     out[0] = hsum8(a0); out[1] = hsum8(a1); out[2] = hsum8(a2); out[3] = hsum8(a3);
+    if (q4) { out[0] += s0; out[1] += s1; out[2] += s2; out[3] += s3; }
+}
+
+/* Weight row j of a tile against R (4..XR) rows of x: the compute-bound case, where one unpacked weight block
+ * serves R rows and each block's scales for all R rows are one multiply. Element r is the same sequence of
+ * IEEE operations as in dot_tile_x1 (each lane independent), so its bits do not depend on R. */
+ALWAYS_INLINE void dot_row_xr(const int R, const int q4, int nb, long K, long mp, const int8_t *xq, const float *xd,
+                              const float *xs, const uint8_t *rec, int j, float *out, int stride) {
+    __m256 acc[XR];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 s = _mm256_setzero_ps(); /* lane r: the minimum's term of row r */
+    const long record = q4 ? Q4_RECORD : Q8_RECORD;
+    for (int b = 0; b < nb; b++, rec += record) {
+        const float *d = (const float *)(rec + TILE * (q4 ? 16 : 32)) + j;
+        float scale[XR] __attribute__((aligned(32)));
+        _mm256_store_ps(scale, _mm256_mul_ps(_mm256_broadcast_ss(d), _mm256_loadu_ps(xd + b * mp)));
+        __m256i w;
+        if (q4) {
+            s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_broadcast_ss(d + TILE), _mm256_loadu_ps(xs + b * mp)));
+            w = unpack_nibbles(rec + j * 16);
+        } else {
+            w = _mm256_loadu_si256((const __m256i *)(rec + j * 32));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QK));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scale + r), BLOCK_DOT(w, x, q4), acc[r]);
+        }
+    }
+    float sm[XR] __attribute__((aligned(32)));
+    _mm256_store_ps(sm, s);
+    for (int r = 0; r < R; r++) out[r * stride] = q4 ? hsum8(acc[r]) + sm[r] : hsum8(acc[r]);
+}
+
+/* One tile's outputs out[r][j] for R (1..XR) rows of x; R is a constant in each inlined call. */
+static void dot_tile(int R, int q4, int nb, long K, long mp, const int8_t *xq, const float *xd, const float *xs,
+                     const uint8_t *rec, float out[XR][TILE]) {
+    if (R < 4) { /* too few rows to pay for the per-block set-up below (measured: benchmarks/kernels.py) */
+        for (int r = 0; r < R; r++) {
+            if (q4) dot_tile_x1(1, nb, mp, xq + r * K, xd + r, xs + r, rec, out[r]);
+            else dot_tile_x1(0, nb, mp, xq + r * K, xd + r, xs + r, rec, out[r]);
+        }
+        return;
+    }
+    for (int j = 0; j < TILE; j++) {
+#define CASE(n)                                                                                 \
+    case n:                                                                                     \
+        if (q4) dot_row_xr(n, 1, nb, K, mp, xq, xd, xs, rec, j, &out[0][j], TILE);              \
+        else dot_row_xr(n, 0, nb, K, mp, xq, xd, xs, rec, j, &out[0][j], TILE);                 \
+        break;
+        switch (R) { CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+#undef CASE
+    }
 }
 
 static inline void store(void *y, int out_bf16, long idx, float v) {
@@ -123,29 +178,35 @@ void blockq_pack(int N, int K, int q4, const int8_t *q, const float *d, const fl
         }
 }
 
-/* y [M, N] = x [M, K] @ W^T, x and y bf16 or float; scratch: M * (K + 8 * K / 32) bytes. Rows are
- * quantized, then tiles of columns are split across threads: columns share no arithmetic, so the split
- * changes no bits. The _omp form runs inside an enclosing parallel region (ops_cpu.c's decoder step). */
+/* Bytes of scratch blockq_linear needs: x quantized (M * K int8), and two floats per row and block. */
+long blockq_scratch_bytes(int M, int K) { return (long)M * K + 2L * sizeof(float) * (K / QK) * ((M + XR - 1) / XR * XR); }
+
+/* y [M, N] = x [M, K] @ W^T, x and y bf16 or float; scratch: blockq_scratch_bytes(M, K). Rows are quantized,
+ * then tiles of columns are split across threads: columns share no arithmetic, so the split changes no
+ * bits. The _omp form runs inside an enclosing parallel region (ops_cpu.c's decoder step). */
 void blockq_linear_omp(int M, int N, int K, const void *x, int x_bf16, const uint8_t *w, int q4, void *y, int y_bf16,
                        void *scratch) {
     const int nb = K / QK;
+    const long mp = (M + XR - 1) / XR * XR;
     int8_t *xq = (int8_t *)scratch;
-    float *xd = (float *)(xq + (long)M * K);
-    float *xs = xd + (long)M * nb;
+    float *xd = (float *)(xq + (long)M * K), *xs = xd + nb * mp;
     const int esize = x_bf16 ? 2 : 4;
     const long record = q4 ? Q4_RECORD : Q8_RECORD;
 #pragma omp for schedule(static)
-    for (int m = 0; m < M; m++)
-        quantize_row((const char *)x + (long)m * K * esize, x_bf16, K, xq + (long)m * K, xd + (long)m * nb,
-                     xs + (long)m * nb);
+    for (long m = 0; m < mp; m++) {
+        if (m < M) quantize_row((const char *)x + m * K * esize, x_bf16, K, xq + m * K, xd + m, xs + m, mp);
+        else
+            for (int b = 0; b < nb; b++) xd[b * mp + m] = xs[b * mp + m] = 0.0f;
+    }
 #pragma omp for schedule(static)
     for (int t = 0; t < N / TILE; t++) {
         const uint8_t *rec = w + (long)t * nb * record;
-        for (int m = 0; m < M; m++) {
-            float out[TILE];
-            if (q4) dot_tile_q4(nb, xq + (long)m * K, xd + (long)m * nb, xs + (long)m * nb, rec, out);
-            else dot_tile_q8(nb, xq + (long)m * K, xd + (long)m * nb, rec, out);
-            for (int j = 0; j < TILE; j++) store(y, y_bf16, (long)m * N + (long)t * TILE + j, out[j]);
+        for (int m = 0; m < M; m += XR) {
+            const int R = M - m < XR ? M - m : XR;
+            float out[XR][TILE];
+            dot_tile(R, q4, nb, K, mp, xq + (long)m * K, xd + m, xs + m, rec, out);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < TILE; j++) store(y, y_bf16, (long)(m + r) * N + (long)t * TILE + j, out[r][j]);
         }
     }
 }

@@ -22,6 +22,8 @@ def library() -> ctypes.CDLL:
     lib.blockq_linear.argtypes = [_c_int, _c_int, _c_int, _ptr, _c_int, _ptr, _c_int, _ptr, _c_int, _ptr, _c_int]
     lib.blockq_packed_bytes.restype = _c_long
     lib.blockq_packed_bytes.argtypes = [_c_int, _c_int, _c_int]
+    lib.blockq_scratch_bytes.restype = _c_long
+    lib.blockq_scratch_bytes.argtypes = [_c_int, _c_int]
     lib.blockq_pack.restype = None
     lib.blockq_pack.argtypes = [_c_int, _c_int, _c_int, _ptr, _ptr, _ptr, _ptr]
     return lib

@@ -57,6 +57,11 @@ def pack(w: BlockWeight) -> torch.Tensor:
     return out
 
 
+def scratch_bytes(m: int, k: int) -> int:
+    """Bytes of scratch the kernel needs for ``m`` rows of ``k`` inputs (its quantized copy of x)."""
+    return max(1, library().blockq_scratch_bytes(m, k))
+
+
 class BlockQuantLinear(nn.Module):
     """y = x @ W^T (+ bias) with W block-quantized. x is quantized per row, per block of 32, to int8 (as
     llama.cpp does), so a row's output has the same bits whatever else is in the call. Output: x's dtype,
@@ -84,7 +89,7 @@ class BlockQuantLinear(nn.Module):
         m = x.shape[0]
         out_dtype = self.out_dtype or x.dtype
         y = torch.empty(m, self.out_features, dtype=out_dtype)
-        scratch = torch.empty(max(1, m * (self.in_features + 8 * self.in_features // QK)), dtype=torch.uint8)
+        scratch = torch.empty(scratch_bytes(m, self.in_features), dtype=torch.uint8)
         if m:
             self._lib.blockq_linear(m, self.out_features, self.in_features, x.data_ptr(), int(x.dtype == torch.bfloat16),
                                     self.packed.data_ptr(), int(self.q4), y.data_ptr(), int(out_dtype == torch.bfloat16),
