@@ -14,7 +14,8 @@ Modes, prompt by prompt in turn so all see the same machine drift (greedy, ``--m
 c=1 on MT-bench first turns (chat template) and HumanEval prompts; then the engine with ``--concurrency``
 prompts in one ``generate`` call against llama.cpp's c=1 rate. Also the start-up (a fresh process: load and
 first token, caches warm) and peak RSS of the engine and of llama.cpp, and the engine's per-step time of a
-1-token and a 16-token step against the weight-streaming floor.
+1-token step and of lookahead segments of 2-16 tokens against the weight-streaming floor (alone:
+``--steps-only``).
 
     .venv/bin/python benchmarks/peers.py --llama-venv ../llama-venv --results benchmarks/results/DATE-peers.md
 """
@@ -97,16 +98,22 @@ def _rows(name: str, tokens: dict, seconds: dict, base: str | None) -> list[str]
     return rows
 
 
+STEP_CURVE = (2, 3, 4, 5, 8, 16)  # tokens of one lookahead segment
+
+
 def step_times(llm: LLM) -> str:
-    """Median seconds of a 1-token decode and of a 16-token step (one lookahead segment), and the floor."""
+    """Median seconds of a 1-token decode and of one lookahead segment of each size in STEP_CURVE (the cost
+    curve the adaptive policy weighs), and the weight-streaming floor."""
     runner = llm.engine.runner
     blocks = list(range(runner.kv_caches[0].shape[1] // runner.block_size))[:32]
-    one, sixteen = _time_all(runner, [_decodes(1, blocks), _segments(1, 16, blocks)], repeats=15)
+    one, *curve = _time_all(runner, [_decodes(1, blocks)] + [_segments(1, t, blocks) for t in STEP_CURVE],
+                            repeats=15)
     packed = sum(b.numel() * b.element_size() for b in llm.engine.model.buffers())
     dense = sum(p.numel() * p.element_size() for n, p in llm.engine.model.named_parameters() if "embed" not in n)
     mb = (packed + dense) / 1e6
-    return (f"Engine step ({llm.engine.quantization}, {llm.engine.model_info().dtype}): 1 token {one * 1e3:.1f} ms, "
-            f"16 tokens {sixteen * 1e3:.1f} ms; weights streamed per step {mb:.0f} MB (floor at 25 GB/s, "
+    segments = ", ".join(f"{t}: {s * 1e3:.1f} ms ({s / one:.2f}x)" for t, s in zip(STEP_CURVE, curve, strict=True))
+    return (f"Engine step ({llm.engine.quantization}, {llm.engine.model_info().dtype}): 1 token {one * 1e3:.1f} ms; "
+            f"one segment of T tokens, T = {segments}; weights streamed per step {mb:.0f} MB (floor at 25 GB/s, "
             f"this machine's 2-thread read rate: {mb / 25e3 * 1e3:.1f} ms)")
 
 
@@ -121,7 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-dtypes", nargs="*", default=["bfloat16"])
     ap.add_argument("--no-dequantized", action="store_true", help="leave out the dequantized engine")
     ap.add_argument("--results", type=Path, default=None, help="append the tables to this Markdown file")
+    ap.add_argument("--steps-only", action="store_true", help="only the engine's step times (no peers, no prompts)")
     args = ap.parse_args(argv)
+    if args.steps_only:
+        _emit(f"{_header()}\n\n- {step_times(LLM())}", "Engine step times", args.results)
+        return
 
     for _ in range(2):  # the first start may build the kernel, pack the weights and profile step costs
         startup = start_once(sys.executable)

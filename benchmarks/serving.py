@@ -5,7 +5,9 @@ What it measures: the standalone server (``lookahead-serve serve``, the embedded
 each stream ``Generate`` calls back to back over one grpc.aio channel. Every user count runs twice:
 lookahead on (the request leaves ``lookahead`` unset, so the server's default, (5, 3, 5), applies) and
 off (``lookahead.enabled = false`` in each request). A run lasts ``--duration`` seconds (no call starts
-after it; calls in flight finish and count) or ``--num-requests`` calls in all.
+after it; calls in flight finish and count) or ``--num-requests`` calls in all. ``--rounds R`` repeats all
+runs R times, alternating which of on and off goes first, and adds the on/off ratios of each round's pair
+(median and range): the comparison to read, since the two runs of a pair are adjacent in time.
 
 Requests are the first turns of MT-bench questions (``--questions``), sent as one-message chats (the
 server applies the chat template), greedy, at most ``--max-tokens`` tokens (EOS ends a request unless
@@ -40,6 +42,7 @@ import platform
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -227,12 +230,13 @@ async def run_all(args: argparse.Namespace, questions: list[str], target: str, s
         if any(c.error for c in warm):
             raise SystemExit(f"warm-up failed: {next(c.error for c in warm if c.error)}")
         runs = []
-        for users in args.users:
-            for lookahead in (True, False):
-                log(f"users={users} lookahead {'on' if lookahead else 'off'} ...")
-                run = await measure(stub, questions, users, lookahead, args)
-                log(f"users={users} lookahead {'on' if lookahead else 'off'}: " + " | ".join(run.row()[2:]))
-                runs.append(run)
+        for rnd in range(args.rounds):
+            for users in args.users:
+                for lookahead in ((True, False) if rnd % 2 == 0 else (False, True)):  # alternate who goes first
+                    log(f"round {rnd} users={users} lookahead {'on' if lookahead else 'off'} ...")
+                    run = await measure(stub, questions, users, lookahead, args)
+                    log(f"users={users} lookahead {'on' if lookahead else 'off'}: " + " | ".join(run.row()[2:]))
+                    runs.append(run)
         return runs
 
 
@@ -247,6 +251,24 @@ def markdown_table(runs: list[Run]) -> str:
     lines += ["| " + " | ".join(run.row()) + " |" for run in runs]
     errors = sorted({c.error for run in runs for c in run.calls if c.error})
     return "\n".join(lines + ([""] + [f"Errors: {e}" for e in errors] if errors else []))
+
+
+def ratio_table(runs: list[Run]) -> str:
+    """Per user count: requests/s and output tokens/s of on over off, each round's pair (median, min-max)."""
+    lines = ["| users | rounds | req/s on / off | output tok/s on / off | failed calls |", "|---:|---:|---|---|---:|"]
+    for users in dict.fromkeys(r.users for r in runs):
+        on = [r for r in runs if r.users == users and r.lookahead]
+        off = [r for r in runs if r.users == users and not r.lookahead]
+
+        def spread(values: list[float]) -> str:
+            return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+        req = [len(a.ok) / a.seconds / (len(b.ok) / b.seconds) for a, b in zip(on, off, strict=True)]
+        tok = [sum(c.completion_tokens for c in a.ok) / a.seconds / (sum(c.completion_tokens for c in b.ok) / b.seconds)
+               for a, b in zip(on, off, strict=True)]
+        failed = sum(len(r.calls) - len(r.ok) for r in on + off)
+        lines.append(f"| {users} | {len(on)} | {spread(req)} | {spread(tok)} | {failed} |")
+    return "\n".join(lines)
 
 
 def legend(args: argparse.Namespace) -> str:
@@ -308,12 +330,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="model for the server (default: the embedded one)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="deadline per call, s (default: %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="wait for the server, s (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every (users, on/off) run, alternating which of on and off goes first; with 2 or "
+                        "more, also a table of on/off ratios per round (default: %(default)s)")
     p.add_argument("--results", type=Path, help="append a dated Markdown section to this file")
     args = p.parse_args(argv)
     if args.num_requests is not None and args.num_requests < 1:
         p.error("--num-requests must be positive")
-    if args.duration <= 0 or args.max_tokens < 1:
-        p.error("--duration and --max-tokens must be positive")
+    if args.duration <= 0 or args.max_tokens < 1 or args.rounds < 1:
+        p.error("--duration, --max-tokens and --rounds must be positive")
     return args
 
 
@@ -331,6 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
     table, legend_text = markdown_table(runs), legend(args)
+    if args.rounds > 1:
+        table += "\n\nOn over off, per round (runs of one round are adjacent in time):\n\n" + ratio_table(runs)
     print(f"{machine_info()}\n\n{table}\n\n{legend_text}")
     if args.results:
         append_results(args.results, table, legend_text)

@@ -70,6 +70,7 @@ static inline __m256i unpack_nibbles(const uint8_t *p) {
 /* Rows of x are taken up to XR at a time. Their scales at one block are adjacent in the scratch (block-major,
  * rows padded to a multiple of XR with zeros), so one load gives them all. */
 #define XR 8
+#define CHUNK_BYTES (96 * 1024) /* quantized rows of x per pass over the weights: within a 512 KB L2 */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* One row of x against a tile's TILE weight rows (the memory-bound case: four independent accumulators). */
@@ -198,15 +199,21 @@ void blockq_linear_omp(int M, int N, int K, const void *x, int x_bf16, const uin
         else
             for (int b = 0; b < nb; b++) xd[b * mp + m] = xs[b * mp + m] = 0.0f;
     }
+    /* Rows in chunks whose quantized x stays in the L2 cache while every tile passes over it (a prefill's
+     * whole x, re-read from L3 once per tile, cost more than its arithmetic). */
+    const int chunk = K * XR > CHUNK_BYTES ? XR : CHUNK_BYTES / K / XR * XR;
+    for (int m0 = 0; m0 < M; m0 += chunk) {
+        const int m1 = M - m0 < chunk ? M : m0 + chunk;
 #pragma omp for schedule(static)
-    for (int t = 0; t < N / TILE; t++) {
-        const uint8_t *rec = w + (long)t * nb * record;
-        for (int m = 0; m < M; m += XR) {
-            const int R = M - m < XR ? M - m : XR;
-            float out[XR][TILE];
-            dot_tile(R, q4, nb, K, mp, xq + (long)m * K, xd + m, xs + m, rec, out);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < TILE; j++) store(y, y_bf16, (long)(m + r) * N + (long)t * TILE + j, out[r][j]);
+        for (int t = 0; t < N / TILE; t++) {
+            const uint8_t *rec = w + (long)t * nb * record;
+            for (int m = m0; m < m1; m += XR) {
+                const int R = m1 - m < XR ? m1 - m : XR;
+                float out[XR][TILE];
+                dot_tile(R, q4, nb, K, mp, xq + (long)m * K, xd + m, xs + m, rec, out);
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < TILE; j++) store(y, y_bf16, (long)(m + r) * N + (long)t * TILE + j, out[r][j]);
+            }
         }
     }
 }

@@ -48,9 +48,11 @@ def test_matches_the_dequantized_weight(four_bit, dtype):
 def test_a_row_has_the_same_bits_for_any_batch_and_thread_count(four_bit):
     w = _weight(964, 1536, four_bit, seed=2)  # 964 rows: 241 tiles of 4, split unevenly across threads
     lin = BlockQuantLinear.from_weight(w)
-    x = torch.randn(64, 1536, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    alone = torch.cat([lin(x[i : i + 1]) for i in range(64)])
+    x = torch.randn(150, 1536, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(150)])
     assert [m for m in range(1, 65) if not torch.equal(lin(x[:m]), alone[:m])] == []
+    assert torch.equal(lin(x), alone)  # 150 rows: several passes of rows over the weights (a prefill's shape)
+    x, alone = x[:64], alone[:64]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
