@@ -88,7 +88,7 @@ class _RevisionKernel:
             (d / rel).write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, check=True,
                                                  capture_output=True).stdout)
         so = d / "blockq.so"
-        subprocess.run([native._compiler(), *native.FLAGS, "-o", str(so), str(d / "engine/quant/blockq.c")], check=True)
+        native.compile_shared([d / "engine/quant/blockq.c"], so)
         self.lib = ctypes.CDLL(str(so))
         p, i = ctypes.c_void_p, ctypes.c_int
         self.lib.blockq_linear.argtypes = [i, i, i, p, i, p, i, p, i, p, i]
@@ -130,9 +130,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("--against needs the kind 'block 4-bit (engine)'")
         rev = _RevisionKernel(args.against)
         layers, head = engine
-        steps[f"block 4-bit @ {args.against}"] = ([[rev.wrap(lin) for lin in layer] for layer in layers], rev.wrap(head))
+        rev_head = rev.wrap(head)
+        steps[f"block 4-bit @ {args.against}"] = ([[rev.wrap(lin) for lin in layer] for layer in layers], rev_head)
         x = torch.randn(37, 576, generator=gen).bfloat16()  # 37 rows: every row-group size of both kernels
-        if not torch.equal(rev.wrap(head)(x), head(x)):
+        if not torch.equal(rev_head(x), head(x)):
             raise SystemExit(f"the block kernel at {args.against} gives other bits than the current one")
     times: dict[tuple[str, int], list[float]] = {}
     with torch.inference_mode(), _without_onednn():

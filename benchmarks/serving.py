@@ -255,19 +255,19 @@ def markdown_table(runs: list[Run]) -> str:
 
 def ratio_table(runs: list[Run]) -> str:
     """Per user count: requests/s and output tokens/s of on over off, each round's pair (median, min-max)."""
+
+    def spread(on: list[Run], off: list[Run], count) -> str:
+        ratios = [count(a) / a.seconds / (count(b) / b.seconds) for a, b in zip(on, off, strict=True)]
+        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
     lines = ["| users | rounds | req/s on / off | output tok/s on / off | failed calls |", "|---:|---:|---|---|---:|"]
     for users in dict.fromkeys(r.users for r in runs):
         on = [r for r in runs if r.users == users and r.lookahead]
         off = [r for r in runs if r.users == users and not r.lookahead]
-
-        def spread(values: list[float]) -> str:
-            return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-        req = [len(a.ok) / a.seconds / (len(b.ok) / b.seconds) for a, b in zip(on, off, strict=True)]
-        tok = [sum(c.completion_tokens for c in a.ok) / a.seconds / (sum(c.completion_tokens for c in b.ok) / b.seconds)
-               for a, b in zip(on, off, strict=True)]
+        req = spread(on, off, lambda r: len(r.ok))
+        tok = spread(on, off, lambda r: sum(c.completion_tokens for c in r.ok))
         failed = sum(len(r.calls) - len(r.ok) for r in on + off)
-        lines.append(f"| {users} | {len(on)} | {spread(req)} | {spread(tok)} | {failed} |")
+        lines.append(f"| {users} | {len(on)} | {req} | {tok} | {failed} |")
     return "\n".join(lines)
 
 

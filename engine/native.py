@@ -77,11 +77,20 @@ def library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([_compiler(), *FLAGS, "-o", tmp, *map(str, SOURCES)], check=True, capture_output=True,
-                           text=True)
+            compile_shared(SOURCES, Path(tmp))
             os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
-        except subprocess.CalledProcessError as e:
+        except RuntimeError:
             os.unlink(tmp)
-            raise RuntimeError(f"building the engine's C kernels failed: {e.stderr.strip()[-2000:]}") from e
+            raise
         logger.info("built the engine's C kernels into %s", path)
     return ctypes.CDLL(str(path))
+
+
+def compile_shared(sources: list[Path], out: Path) -> None:
+    """Compile ``sources`` into the shared library ``out`` with the kernels' compiler and flags; RuntimeError
+    with the compiler's message if it fails."""
+    try:
+        subprocess.run([_compiler(), *FLAGS, "-o", str(out), *map(str, sources)], check=True, capture_output=True,
+                       text=True)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"building the engine's C kernels failed: {e.stderr.strip()[-2000:]}") from e
