@@ -7,7 +7,8 @@ FBGEMM's dynamic int8 linear (``quantize_dynamic``: per-tensor activation scale,
 the engine's block-quantized kernel (engine/quant: 4-bit blocks, int8 activations per block). Rounds
 interleave the candidates; the table gives the median over rounds of each step time and the range.
 ``--against REV`` adds the block kernel as it was at git revision REV (built from that revision's blockq.c
-into a temporary library), fed the same weights and inputs, and checks that both give the same bits.
+into a temporary library, with this machine's flags or, ``--against-flags avx2``, the AVX2 baseline's), fed the
+same weights and inputs, and checks that both give the same bits.
 
     .venv/bin/python benchmarks/kernels.py --results benchmarks/results/DATE-kernels.md
     .venv/bin/python benchmarks/kernels.py --kinds "block 4-bit (engine)" --against HEAD~1 --rounds 9
@@ -79,7 +80,7 @@ class _RevisionKernel:
     (a copy, so that neither kind finds the other's weights in cache; the packed layout is checked to be the
     same)."""
 
-    def __init__(self, rev: str) -> None:
+    def __init__(self, rev: str, cflags: list[str] | None) -> None:
         root = Path(__file__).resolve().parents[1]
         self.dir = tempfile.TemporaryDirectory()
         d = Path(self.dir.name)
@@ -88,7 +89,7 @@ class _RevisionKernel:
             (d / rel).write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=root, check=True,
                                                  capture_output=True).stdout)
         so = d / "blockq.so"
-        native.compile_shared([d / "engine/quant/blockq.c"], so)
+        native.compile_shared([d / "engine/quant/blockq.c"], so, cflags)
         self.lib = ctypes.CDLL(str(so))
         p, i = ctypes.c_void_p, ctypes.c_int
         self.lib.blockq_linear.argtypes = [i, i, i, p, i, p, i, p, i, p, i]
@@ -101,9 +102,8 @@ class _RevisionKernel:
         n, k, q4 = lin.out_features, lin.in_features, int(lin.q4)
         if self.lib.blockq_packed_bytes(n, k, q4) != lin.packed.numel():
             raise SystemExit("--against: that revision packs weights in another layout")
-        other = BlockQuantLinear(lin.packed.clone(), n, k, lin.q4, out_dtype=lin.out_dtype)
-        other._lib = self.lib  # the current scratch size is at least what earlier kernels needed
-        return other
+        # (the current scratch size is at least what earlier kernels needed)
+        return BlockQuantLinear(lin.packed.clone(), n, k, lin.q4, out_dtype=lin.out_dtype, lib=self.lib)
 
 
 INPUT_DTYPE = {"float32": torch.float32, "FBGEMM dynamic int8": torch.float32}
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                                                      "FBGEMM dynamic int8", "block 4-bit (engine)"])
     ap.add_argument("--against", metavar="REV", default=None,
                     help="also time the block kernel of this git revision (same weights; outputs checked equal)")
+    ap.add_argument("--against-flags", choices=("machine", "avx2"), default="machine",
+                    help="build REV's kernel with this machine's flags (native.flags()) or the AVX2 baseline")
     ap.add_argument("--results", type=Path, default=None)
     args = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = steps.get("block 4-bit (engine)")
         if engine is None:
             raise SystemExit("--against needs the kind 'block 4-bit (engine)'")
-        rev = _RevisionKernel(args.against)
+        rev = _RevisionKernel(args.against, native.FLAGS if args.against_flags == "avx2" else None)
         layers, head = engine
         rev_head = rev.wrap(head)
         steps[f"block 4-bit @ {args.against}"] = ([[rev.wrap(lin) for lin in layer] for layer in layers], rev_head)

@@ -15,43 +15,58 @@
  * weight block serves the whole group (dot_row_xr); one to three rows take the four-accumulator form
  * (dot_tile_x1). Both run the operations above lane by lane, so they give the same bits.
  */
-#include <math.h>
-
 #include "../cpu_kernels.h"
 
 #define QK 32
 
 /* One row of K values (bf16 if is_bf16, else float) -> int8 blocks, and per block the scale and the scaled
- * sum, written `stride` floats apart (the scratch holds them block-major). */
+ * sum, written `stride` floats apart (the scratch holds them block-major). Per block: amax = the largest |x|
+ * (NaN ignored), d = amax / 127, q = round-to-nearest-even(x * (1 / d)) (0 if d is 0), s = d * sum(q). */
 static void quantize_row(const void *x, int is_bf16, int K, int8_t *q, float *d, float *s, long stride) {
-    float buf[QK];
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int b = 0; b < K / QK; b++) {
-        float amax = 0.0f;
-        for (int i = 0; i < QK; i++) {
-            float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + i]) : ((const float *)x)[b * QK + i];
-            buf[i] = v;
-            float a = fabsf(v);
-            amax = a > amax ? a : amax;
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            if (is_bf16) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + b * QK + 8 * i));
+                v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+            } else {
+                v[i] = _mm256_loadu_ps((const float *)x + b * QK + 8 * i);
+            }
+            amax = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), amax); /* a NaN lane keeps amax */
         }
-        float db = amax / 127.0f;
-        float inv = db != 0.0f ? 1.0f / db : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < QK; i++) {
-            int v = (int)nearbyintf(buf[i] * inv);
-            q[b * QK + i] = (int8_t)v;
-            sum += v;
-        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float db = _mm_cvtss_f32(m) / 127.0f;
+        const __m256 inv = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++)
+            qi[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
         d[b * stride] = db;
-        s[b * stride] = db * (float)sum;
+        s[b * stride] = db * (float)_mm_cvtsi128_si32(t4);
     }
 }
 
+/* Eight int32 lanes, lane i the exact sum of bytes 4i..4i+3 of u * s (u unsigned, s signed; no sum can
+ * overflow an int16 here, so maddubs never saturates): one VNNI instruction where the build has it, else
+ * two AVX2 ones. The same integers either way, so the same bits. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_I32(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#else
+#define DOT_I32(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#endif
+
 /* int32 lanes of one block's dot product, as floats: q_w unsigned (0..15) when HAS_MIN, else signed. */
 #define BLOCK_DOT(w, x, HAS_MIN)                                                                          \
-    _mm256_cvtepi32_ps(_mm256_madd_epi16(                                                                 \
-        (HAS_MIN) ? _mm256_maddubs_epi16((w), (x))                                                        \
-                  : _mm256_maddubs_epi16(_mm256_sign_epi8((w), (w)), _mm256_sign_epi8((x), (w))),          \
-        _mm256_set1_epi16(1)))
+    _mm256_cvtepi32_ps((HAS_MIN) ? DOT_I32((w), (x)) : DOT_I32(_mm256_sign_epi8((w), (w)), _mm256_sign_epi8((x), (w))))
 
 /* Packed weights: tiles of TILE rows; per tile and block of 32 along K one record, so a tile streams
  * from memory in one sequential run:

@@ -9,7 +9,7 @@ from lookahead_serve.engine.native import unavailable_reason
 
 _c_int, _c_long, _ptr = ctypes.c_int, ctypes.c_long, ctypes.c_void_p
 
-__all__ = ["library", "unavailable_reason"]
+__all__ = ["declare", "library", "unavailable_reason"]
 
 
 @functools.cache
@@ -17,7 +17,11 @@ def library() -> ctypes.CDLL:
     """The compiled kernel, with its functions' signatures."""
     from lookahead_serve.engine import native
 
-    lib = native.library()
+    return declare(native.library())
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (a build of blockq.c) with the kernel functions' signatures declared."""
     lib.blockq_linear.restype = None
     lib.blockq_linear.argtypes = [_c_int, _c_int, _c_int, _ptr, _c_int, _ptr, _c_int, _ptr, _c_int, _ptr, _c_int]
     lib.blockq_packed_bytes.restype = _c_long

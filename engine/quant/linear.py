@@ -68,13 +68,15 @@ class BlockQuantLinear(nn.Module):
     or ``out_dtype``. CPU only."""
 
     def __init__(self, packed: torch.Tensor, out_features: int, in_features: int, q4: bool,
-                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> None:
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, lib=None) -> None:
+        """``lib``: another build of the kernel with the same packed layout (``kernel.declare``d); default the
+        engine's."""
         super().__init__()
         self.in_features, self.out_features, self.q4 = in_features, out_features, q4
         self.register_buffer("packed", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_dtype = out_dtype
-        self._lib = library()
+        self._lib = library() if lib is None else lib
 
     @classmethod
     def from_weight(cls, w: BlockWeight, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):

@@ -64,6 +64,29 @@ def test_a_row_has_the_same_bits_for_any_batch_and_thread_count(four_bit):
     assert torch.equal(fused(x)[:, :964], alone)
 
 
+def test_the_vnni_build_gives_the_avx2_builds_bits(tmp_path):
+    """Where the CPU has AVX-512 VNNI the kernel is built to use it; its int8 dot products are the same
+    integers, so every output has the bits of the AVX2 build (a model answers the same on either CPU)."""
+    import ctypes
+
+    from lookahead_serve.engine import native
+    from lookahead_serve.engine.quant.kernel import declare
+
+    if native.flags() == native.FLAGS:
+        pytest.skip("this CPU has no AVX-512 VNNI: the engine's build is the AVX2 one")
+    native.compile_shared([native.SOURCES[0]], tmp_path / "avx2.so", native.FLAGS)
+    avx2 = declare(ctypes.CDLL(str(tmp_path / "avx2.so")))
+    gen = torch.Generator().manual_seed(5)
+    for four_bit in (True, False):
+        lin = BlockQuantLinear.from_weight(_weight(200, 576, four_bit, seed=6), out_dtype=torch.float32)
+        other = BlockQuantLinear(lin.packed, lin.out_features, lin.in_features, lin.q4, out_dtype=torch.float32,
+                                 lib=avx2)
+        for dtype in (torch.bfloat16, torch.float32):
+            for m in (1, 3, 5, 8, 37):  # both of the kernel's forms and several row groups
+                x = torch.randn(m, 576, generator=gen).to(dtype)
+                assert torch.equal(lin(x), other(x)), (four_bit, dtype, m)
+
+
 def test_rejects_shapes_and_dtypes_it_cannot_hold():
     with pytest.raises(ValueError, match="multiples"):
         BlockQuantLinear.from_weight(_weight(6, 64, True, seed=0))
