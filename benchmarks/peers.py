@@ -12,7 +12,8 @@ Modes, prompt by prompt in turn so all see the same machine drift (greedy, ``--m
   on a CPU without native bf16), to choose the default quantization by measurement.
 
 c=1 on MT-bench first turns (chat template) and HumanEval prompts; then the engine with ``--concurrency``
-prompts in one ``generate`` call against llama.cpp's c=1 rate. Also the start-up (a fresh process: load and
+prompts in one ``generate`` call against llama.cpp's c=1 rate on the set's c=1 prompts, measured in the same
+round (the ratio's median and range over rounds). Also the start-up (a fresh process: load and
 first token, caches warm) and peak RSS of the engine and of llama.cpp, and the engine's per-step time of a
 1-token step and of lookahead segments of 2-16 tokens against the weight-streaming floor (alone:
 ``--steps-only``).
@@ -111,10 +112,25 @@ def step_times(llm: LLM) -> str:
     packed = sum(b.numel() * b.element_size() for b in llm.engine.model.buffers())
     dense = sum(p.numel() * p.element_size() for n, p in llm.engine.model.named_parameters() if "embed" not in n)
     mb = (packed + dense) / 1e6
+    gbs = read_rate()
     segments = ", ".join(f"{t}: {s * 1e3:.1f} ms ({s / one:.2f}x)" for t, s in zip(STEP_CURVE, curve, strict=True))
     return (f"Engine step ({llm.engine.quantization}, {llm.engine.model_info().dtype}): 1 token {one * 1e3:.1f} ms; "
-            f"one segment of T tokens, T = {segments}; weights streamed per step {mb:.0f} MB (floor at 25 GB/s, "
-            f"this machine's 2-thread read rate: {mb / 25e3 * 1e3:.1f} ms)")
+            f"one segment of T tokens, T = {segments}; weights streamed per step {mb:.0f} MB (floor at this "
+            f"machine's {torch.get_num_threads()}-thread read rate, {gbs:.0f} GB/s: {mb / gbs:.1f} ms)")
+
+
+def read_rate() -> float:
+    """GB/s that torch's threads read from memory (the best of 5 sums of a 1 GiB float32 tensor)."""
+    x = torch.ones(1 << 28)
+    x.sum()
+    best = min(_timed(x.sum) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -147,7 +163,6 @@ def main(argv: list[str] | None = None) -> None:
     hf = {f"HF generate {d}": HF(llm, getattr(torch, d)) for d in args.hf_dtypes}
     ids = {s: [llm.tokenizer(p).input_ids for p in ps] for s, ps in sets.items()}
     lines = ["| set | mode | tokens/s (median) | range over rounds | vs lookahead off |", "|---|---|---|---|---|"]
-    llama_rate = {}
     for set_name, prompts in sets.items():
         tokens: dict[str, list[int]] = {}
         seconds: dict[str, list[float]] = {}
@@ -172,11 +187,10 @@ def main(argv: list[str] | None = None) -> None:
                 seconds.setdefault(mode, []).append(s)
             log(f"{set_name} round {r}: " + ", ".join(f"{m} {t / s:.1f} tok/s" for m, (t, s) in acc.items()))
         lines += _rows(f"{set_name}, c=1", tokens, seconds, "lookahead off")
-        if llama is not None:
-            llama_rate[set_name] = statistics.median(t / s for t, s in zip(tokens["llama.cpp"], seconds["llama.cpp"]))
     for c in args.concurrency:
         for set_name, prompts in sets.items():
             tokens, seconds = {}, {}
+            vs_llama = []  # per round: the defaults' c rate over llama.cpp's c=1 rate measured beside it
             for r in range(args.rounds):
                 modes = [("lookahead off", llm, OFF), ("defaults", llm, None)]
                 if dequantized is not None:
@@ -185,10 +199,14 @@ def main(argv: list[str] | None = None) -> None:
                     t, s = _engine_run(engine, prompts[:c], la, args.max_tokens)
                     tokens.setdefault(mode, []).append(t)
                     seconds.setdefault(mode, []).append(s)
+                if llama is not None:
+                    runs = [llama.run(i, args.max_tokens) for i in ids[set_name][: args.num_prompts]]
+                    rate = sum(t for t, _ in runs) / sum(s for _, s in runs)
+                    vs_llama.append(tokens["defaults"][-1] / seconds["defaults"][-1] / rate)
             rows = _rows(f"{set_name}, c={c}", tokens, seconds, "lookahead off")
-            if set_name in llama_rate:
-                rate = statistics.median(t / s for t, s in zip(tokens["defaults"], seconds["defaults"]))
-                rows[1] = rows[1][:-2] + f" {rate / llama_rate[set_name]:.2f}x llama.cpp c=1 |"
+            if vs_llama:
+                rows[1] = rows[1][:-2] + (f" {statistics.median(vs_llama):.2f}x ({min(vs_llama):.2f}-{max(vs_llama):.2f}) "
+                                          "llama.cpp c=1 |")
             lines += rows
             log(f"{set_name} c={c} done")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
