@@ -20,7 +20,7 @@ def test_tiny_batch_matches_hf(fixture, request):
     path = request.getfixturevalue(fixture)
     prompts = _prompts(6, 96, seed=1)
     expected = hf_greedy(path, prompts, 24)
-    llm = LLM(path, block_size=8)
+    llm = LLM(path, dtype="float32", block_size=8)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=24))
     assert [o.outputs[0].token_ids for o in outs] == expected
 
@@ -32,7 +32,7 @@ def test_staggered_arrivals_with_preemption_and_chunked_prefill(tiny_llama):
     expected = hf_greedy(tiny_llama, prompts, max_tokens)
     # 28 blocks x 8 = 224 slots for 18 requests of up to ~110 tokens: preemption is forced; a budget of 32
     # tokens per step splits every long prompt into chunks.
-    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=28, max_num_batched_tokens=32, max_num_seqs=16)
+    llm = LLM(tiny_llama, dtype="float32", block_size=8, num_kv_blocks=28, max_num_batched_tokens=32, max_num_seqs=16)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     pending = list(enumerate(prompts))

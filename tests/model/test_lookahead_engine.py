@@ -38,8 +38,8 @@ def test_mixed_lookahead_batch_with_preemption_matches_hf(tiny_llama):
                LookaheadParams(15, 5, 15), LookaheadParams(3, 4, 2), LookaheadParams(0, 3, 4), LookaheadParams(0, 5, 10)]
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=configs[i % len(configs)]) for i in range(18)]
     # 40 blocks of 8 slots for 18 requests of up to ~140 tokens: preemption is forced.
-    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=40, max_num_batched_tokens=256, max_num_seqs=18,
-              lookahead_policy="fixed")
+    llm = LLM(tiny_llama, dtype="float32", block_size=8, num_kv_blocks=40, max_num_batched_tokens=256,
+              max_num_seqs=18, lookahead_policy="fixed")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.scheduler.num_preemptions > 0
@@ -191,8 +191,8 @@ def test_changing_lookahead_shape_every_step_stays_lossless(tiny_llama):
     prompts = _repetitive_prompts(16, 96, seed=5)
     max_tokens = 40
     expected = hf_greedy(tiny_llama, prompts, max_tokens)
-    llm = LLM(tiny_llama, block_size=8, num_kv_blocks=48, max_num_batched_tokens=512, max_num_seqs=16,
-              lookahead=LookaheadParams(15, 5, 15), lookahead_policy="fixed")
+    llm = LLM(tiny_llama, dtype="float32", block_size=8, num_kv_blocks=48, max_num_batched_tokens=512,
+              max_num_seqs=16, lookahead=LookaheadParams(15, 5, 15), lookahead_policy="fixed")
     llm.engine.scheduler.planner.policy = RandomRungs(0)
     params = [SamplingParams(temperature=0, max_tokens=max_tokens, lookahead=None if i % 4 else PLAIN) for i in range(16)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -213,8 +213,8 @@ def test_adaptive_policy_is_lossless(tiny_llama, cost):
              "compute-bound": StepCostModel([1, 4096], [0.001, 4.096], learning_rate=0.0)}[cost]
     prompts = _repetitive_prompts(16, 96, seed=6)
     expected = hf_greedy(tiny_llama, prompts, 32)
-    llm = LLM(tiny_llama, block_size=8, max_num_batched_tokens=2048, lookahead=LookaheadParams(7, 5, 7),
-              lookahead_policy="adaptive", step_cost_model=model)
+    llm = LLM(tiny_llama, dtype="float32", block_size=8, max_num_batched_tokens=2048,
+              lookahead=LookaheadParams(7, 5, 7), lookahead_policy="adaptive", step_cost_model=model)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=32))
     assert [o.outputs[0].token_ids for o in outs] == expected
     ran = sum(llm.engine.lookahead_chosen.values())
