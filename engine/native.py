@@ -96,7 +96,16 @@ def library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
         os.close(fd)
         try:
-            compile_shared(SOURCES, Path(tmp))
+            try:
+                compile_shared(SOURCES, Path(tmp))
+            except RuntimeError as e:
+                if flags() == FLAGS:
+                    raise
+                # e.g. a compiler older than the CPU (gcc < 8 has no -mavx512vnni): the AVX2 build gives the
+                # same bits, a little slower, and beats falling back to dequantized weights
+                logger.warning("building the C kernels with %s failed, building them for AVX2: %s",
+                               " ".join(VNNI_FLAGS), e)
+                compile_shared(SOURCES, Path(tmp), FLAGS)
             os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
         except RuntimeError:
             os.unlink(tmp)

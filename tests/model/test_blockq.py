@@ -87,6 +87,24 @@ def test_the_vnni_build_gives_the_avx2_builds_bits(tmp_path):
                 assert torch.equal(lin(x), other(x)), (four_bit, dtype, m)
 
 
+def test_a_compiler_without_the_cpus_extra_flags_gets_the_avx2_build(tmp_path, monkeypatch, caplog):
+    """Where the extra ISA flags do not compile (a compiler older than the CPU), the library is built with the
+    AVX2 baseline flags (same bits) instead of failing, which would fall back to dequantized weights."""
+    from lookahead_serve.engine import loader, native
+    from lookahead_serve.engine.quant.kernel import declare
+
+    monkeypatch.setattr(native, "flags", lambda: native.FLAGS + ["-mno-such-isa-flag"])
+    monkeypatch.setattr(loader, "cache_root", lambda: tmp_path)
+    with caplog.at_level("WARNING", logger=native.__name__):
+        lib = declare(native.library.__wrapped__())
+    assert "building them for AVX2" in caplog.text
+    assert list((tmp_path / "kernels").glob("engine-*.so"))
+    lin = BlockQuantLinear.from_weight(_weight(8, 64, True, seed=0))
+    other = BlockQuantLinear(lin.packed, 8, 64, True, lib=lib)
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(other(x), lin(x))
+
+
 def test_rejects_shapes_and_dtypes_it_cannot_hold():
     with pytest.raises(ValueError, match="multiples"):
         BlockQuantLinear.from_weight(_weight(6, 64, True, seed=0))
