@@ -102,7 +102,7 @@ class _RevisionKernel:
         n, k, q4 = lin.out_features, lin.in_features, int(lin.q4)
         if self.lib.blockq_packed_bytes(n, k, q4) != lin.packed.numel():
             raise SystemExit("--against: that revision packs weights in another layout")
-        # (the current scratch size is at least what earlier kernels needed)
+        # the engine's scratch size covers what earlier kernels needed
         return BlockQuantLinear(lin.packed.clone(), n, k, lin.q4, out_dtype=lin.out_dtype, lib=self.lib)
 
 

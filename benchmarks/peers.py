@@ -31,6 +31,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import timeit
 from pathlib import Path
 
 import torch
@@ -123,14 +124,7 @@ def read_rate() -> float:
     """GB/s that torch's threads read from memory (the best of 5 sums of a 1 GiB float32 tensor)."""
     x = torch.ones(1 << 28)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return x.numel() * 4 / min(timeit.repeat(x.sum, number=1, repeat=5)) / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:

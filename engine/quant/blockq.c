@@ -153,8 +153,8 @@ ALWAYS_INLINE void dot_rows_xr(const int JW, const int R, const int q4, int nb, 
     }
 }
 
-/* Weight rows per pass of dot_rows_xr: 2 where AVX-512 gives 32 vector registers (16 accumulators fit;
- * 1.06-1.12x), else 1. */
+/* Weight rows per pass of dot_rows_xr: 2 where AVX-512 gives 32 vector registers (its 16 accumulators fit;
+ * benchmarks/results/2026-12-08-kernels-vnni.md), else 1. */
 #ifdef __AVX512VL__
 #define JW 2
 #else
